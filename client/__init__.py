@@ -1,0 +1,1 @@
+"""Subscribe to captures from the daemon (numpy only; no torch, no vllm)."""

@@ -1,0 +1,1 @@
+"""The daemon: reads all rings, reassembles per request, serves subscribers over ZeroMQ."""

@@ -1,0 +1,32 @@
+"""The daemon's settings. Loading (TOML file, then environment, then flags) lives in config_load."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from vllm_tap.ring import DEFAULT_SHM_DIR
+
+
+def default_endpoint() -> str:
+    """ipc socket under systemd's RuntimeDirectory when root, else under the user's runtime dir."""
+    if os.geteuid() == 0:
+        return "ipc:///run/vllm-tap/tap.sock"
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/vllm-tap-{os.getuid()}"
+    return f"ipc://{base}/vllm-tap.sock"
+
+
+@dataclass
+class DaemonConfig:
+    shm_dir: str = DEFAULT_SHM_DIR  # where rings are discovered (one sub-directory per instance)
+    endpoint: str = ""  # ZeroMQ endpoint subscribers connect to; "" = default_endpoint()
+    poll_interval_s: float = 0.0005  # sleep when every ring is empty
+    retain_bytes: int = 1 << 30  # finished requests kept for late subscribers, LRU beyond this
+    retain_ttl_s: float = 600.0  # ... and for at most this long
+    end_grace_s: float = 5.0  # after the first END, wait this long for other ranks' slices
+    subscriber_queue: int = 10000  # messages queued per subscriber before it is cut off as too slow
+    metrics_addr: str = ""  # host:port for Prometheus metrics; "" = off
+    log_level: str = "INFO"
+
+    def resolved_endpoint(self) -> str:
+        return self.endpoint or default_endpoint()

@@ -1,0 +1,1 @@
+"""Inside vLLM: the worker plugin that copies opted-in rows into this rank's ring."""

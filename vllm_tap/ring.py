@@ -1,0 +1,499 @@
+"""Single-producer / single-consumer record ring in a shared-memory file.
+
+The writer lives in a serving process and must never wait for the reader: when a record does not
+fit it is dropped, counted in the header, and reported per request through a DROP control record
+(control records are never dropped; they queue in the writer until there is room). Writers reserve
+space, fill the payload (possibly asynchronously, by a device-to-host copy), then commit; commits
+publish in reservation order, so the reader only ever sees whole records.
+
+The reader persists its cursor in the file, so a restarted daemon resumes exactly where the last
+one stopped; a restarted writer creates a fresh file (new inode, new epoch) that the reader notices.
+
+Ordering: the writer stores payload bytes before the cursor, and the reader loads the cursor before
+the payload. x86-64 keeps stores in order, which is where this runs; on weakly ordered CPUs the
+numpy stores below would need explicit fences.
+"""
+
+from __future__ import annotations
+
+import collections
+import grp
+import logging
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import msgpack
+import numpy as np
+
+from vllm_tap import ring_format as rf
+from vllm_tap.records import RingRecord, TensorId
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SHM_DIR = "/dev/shm/vllm-tap"
+
+
+class RingFormatError(RuntimeError):
+    """The file is not a ring this version can read."""
+
+
+def instance_dir(shm_dir: str, instance: str) -> str:
+    return os.path.join(shm_dir, instance)
+
+
+def ring_path(shm_dir: str, instance: str, rank: int) -> str:
+    name = "engine" if rank == rf.ENGINE_RANK else f"rank-{rank:05d}"
+    return os.path.join(instance_dir(shm_dir, instance), name + rf.RING_SUFFIX)
+
+
+def ensure_dir(path: str, mode: int = 0o700, group: str | None = None) -> None:
+    os.makedirs(path, mode=mode, exist_ok=True)
+    if group is not None:
+        gid = grp.getgrnam(group).gr_gid
+        try:
+            os.chown(path, -1, gid)
+            os.chmod(path, 0o2750)  # group may enter and read; setgid keeps new files in the group
+        except PermissionError:
+            log.warning("cannot give %s to group %s", path, group)
+
+
+class _Cursor:
+    """One little-endian u64 in the header. An aligned 8-byte numpy store is a single move."""
+
+    __slots__ = ("_a",)
+
+    def __init__(self, buf: np.ndarray, offset: int):
+        self._a = buf[offset : offset + 8].view("<u8")
+
+    def get(self) -> int:
+        return int(self._a[0])
+
+    def set(self, v: int) -> None:
+        self._a[0] = v
+
+
+def _map(path: str, size: int | None, writable: bool = True) -> tuple[mmap.mmap, int]:
+    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        mm = mmap.mmap(fd, size or st.st_size)
+        return mm, st.st_ino
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Reservation:
+    """Space held in the ring for one record; fill `payload`, then `RingWriter.commit` it."""
+
+    start: int  # cursor where this reservation begins (including any PAD before the record)
+    end: int
+    payload_offset: int  # byte offset of the payload within the whole file mapping
+    payload_nbytes: int
+    payload: np.ndarray  # uint8 view of the payload bytes
+    done: bool = False
+
+
+class RingWriter:
+    """The producer side. Thread-safe between one step thread and one publisher thread."""
+
+    def __init__(
+        self,
+        path: str,
+        capacity: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        mode: int = 0o600,
+        group: str | None = None,
+        block_timeout: float = 0.0,
+    ):
+        if capacity < 4 * rf.ALIGN or capacity % rf.ALIGN:
+            raise ValueError(f"ring capacity must be a multiple of {rf.ALIGN} and at least {4 * rf.ALIGN}")
+        self.path = path
+        self.capacity = capacity
+        self.rank = rank
+        self.block_timeout = block_timeout
+        dirname = os.path.dirname(path)
+        ensure_dir(dirname, 0o770 if group else 0o700, group)
+        # Build the file beside its final name and rename it in: a reader never sees a half header,
+        # and a restarted writer gets a new inode that the reader can tell from the old one.
+        tmp = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+        try:
+            if group is not None:
+                try:
+                    os.fchown(fd, -1, grp.getgrnam(group).gr_gid)
+                    os.fchmod(fd, mode | 0o060)
+                except PermissionError:
+                    log.warning("cannot give %s to group %s", path, group)
+            os.ftruncate(fd, rf.HEADER_SIZE + capacity)
+            self._mm = mmap.mmap(fd, rf.HEADER_SIZE + capacity)
+        finally:
+            os.close(fd)
+        self._buf = np.frombuffer(self._mm, np.uint8)
+        self._data = self._buf[rf.HEADER_SIZE :]
+        self.epoch = time.time_ns()
+        rf.ident_struct().pack_into(
+            self._mm, rf.IDENT_OFFSET, rf.RING_MAGIC, rf.RING_FORMAT_VERSION, rf.HEADER_SIZE,
+            capacity, self.epoch, os.getpid(), rank, world_size, 0,
+        )
+        os.rename(tmp, path)
+        self._write = _Cursor(self._buf, rf.WRITE_CURSOR_OFFSET)
+        self._read = _Cursor(self._buf, rf.READ_CURSOR_OFFSET)
+        self._stats = {
+            name: _Cursor(self._buf, rf.STATS_OFFSET + 8 * i) for i, name in enumerate(rf.STATS_FIELDS)
+        }
+        self._reserved = 0  # cursor just past the last reservation
+        self._pending: collections.deque[Reservation] = collections.deque()
+        self._lock = threading.Lock()
+        # Control records (BEGIN/END/DROP) wait here when the ring is full, in order.
+        self._backlog: collections.deque[tuple[rf.RecordKind, str, str, dict[str, Any]]] = collections.deque()
+        self.dropped_positions: dict[str, set[int]] = collections.defaultdict(set)
+
+    # The whole mapping, for frameworks that want to view the ring as one host tensor.
+    @property
+    def buffer(self) -> mmap.mmap:
+        return self._mm
+
+    def stats(self) -> dict[str, int]:
+        return {k: c.get() for k, c in self._stats.items()}
+
+    def _bump(self, name: str, by: int = 1) -> None:
+        c = self._stats[name]
+        c.set(c.get() + by)
+
+    # -- space management (callers hold the lock) --
+
+    def _try_reserve(self, total: int) -> tuple[int, int] | None:
+        """Returns (reservation start, record start cursor) or None when it does not fit now."""
+        cap = self.capacity
+        if total > cap:
+            return None
+        w = self._reserved
+        tail = cap - (w % cap)
+        need = total if total <= tail else tail + total
+        if need > cap - (w - self._read.get()):
+            return None
+        start = w
+        if total > tail:
+            rf.PAD_HEADER.pack_into(self._data, w % cap, b"PAD\x00", tail)
+            w += tail
+        self._reserved = w + total
+        return start, w
+
+    def _reserve_blocking(self, total: int) -> tuple[int, int] | None:
+        got = self._try_reserve(total)
+        if got is not None or self.block_timeout <= 0 or total > self.capacity:
+            return got
+        deadline = time.monotonic() + self.block_timeout
+        while time.monotonic() < deadline:
+            self._lock.release()
+            try:
+                time.sleep(0.0002)
+            finally:
+                self._lock.acquire()
+            got = self._try_reserve(total)
+            if got is not None:
+                return got
+        return None
+
+    def _push(self, start: int, end: int, payload_off: int, nbytes: int) -> Reservation:
+        res = Reservation(
+            start, end, rf.HEADER_SIZE + payload_off, nbytes,
+            self._data[payload_off : payload_off + nbytes],
+        )
+        self._pending.append(res)
+        return res
+
+    def _publish(self) -> None:
+        advanced = False
+        while self._pending and self._pending[0].done:
+            self._write.set(self._pending.popleft().end)
+            advanced = True
+        if advanced:
+            self._stats["last_write_ns"].set(time.time_ns())
+
+    def _encode_header(
+        self, at: int, total: int, kind: rf.RecordKind, key: bytes, meta: bytes, n: int,
+        payload_off: int, *, tensor: TensorId | None = None, dtype: int = 0, step: int = 0,
+        expected_ranks: int = 1, rank_parts: int = 1, slice_: tuple[int, int] = (0, 0),
+        full_dim: int = 0, num_prompt_tokens: int = 0,
+    ) -> None:
+        rank16 = rf.ENGINE_RANK_U16 if self.rank == rf.ENGINE_RANK else self.rank
+        rf.RECORD_HEADER.pack_into(
+            self._data, at, rf.RECORD_MAGIC, total, kind, tensor.kind if tensor else 0, dtype, 0,
+            tensor.layer if tensor else -1, rank16, expected_ranks, rank_parts, n, len(key), 0,
+            len(meta), step, slice_[0], slice_[1], full_dim, num_prompt_tokens, payload_off,
+        )
+        base = at + rf.RECORD_HEADER_SIZE
+        self._data[base : base + len(key)] = np.frombuffer(key, np.uint8)
+        if meta:
+            self._data[base + len(key) : base + len(key) + len(meta)] = np.frombuffer(meta, np.uint8)
+
+    # -- control records --
+
+    def _write_control_now(self, kind: rf.RecordKind, request_id: str, tap_key: str, meta: dict) -> bool:
+        key = request_id.encode() + rf.KEY_SEPARATOR + tap_key.encode()
+        mb = msgpack.packb(meta, use_bin_type=True)
+        _, _, _, payload_off = rf.body_layout(len(key), len(mb), 0)
+        total = rf.align_up(payload_off)
+        got = self._try_reserve(total)
+        if got is None:
+            return False
+        start, at = got
+        self._encode_header(at % self.capacity, total, kind, key, mb, 0, payload_off)
+        res = self._push(start, at + total, 0, 0)
+        res.done = True
+        return True
+
+    def _flush_backlog(self) -> bool:
+        while self._backlog:
+            if not self._write_control_now(*self._backlog[0]):
+                self._stats["control_backlog"].set(len(self._backlog))
+                return False
+            self._backlog.popleft()
+        self._stats["control_backlog"].set(0)
+        self._publish()
+        return True
+
+    def write_control(self, kind: rf.RecordKind, request_id: str, meta: dict[str, Any], tap_key: str = "") -> None:
+        """Queue a BEGIN/END/DROP record; it is written now if there is room, else on a later call."""
+        with self._lock:
+            self._backlog.append((kind, request_id, tap_key, meta))
+            self._flush_backlog()
+
+    def flush(self) -> bool:
+        """Retry queued control records; True when none are left waiting."""
+        with self._lock:
+            return self._flush_backlog()
+
+    # -- data records --
+
+    def reserve(
+        self, request_id: str, tensor: TensorId, positions: Iterable[int] | np.ndarray,
+        token_ids: Iterable[int] | np.ndarray, *, dtype: int, width: int, step: int = 0,
+        tap_key: str = "", slice_: tuple[int, int] | None = None, full_dim: int | None = None,
+        num_prompt_tokens: int = 0, expected_ranks: int = 1, rank_parts: int = 1,
+    ) -> Reservation | None:
+        """Hold room for a [len(positions), width] slice; None (and counted as dropped) if full."""
+        pos = np.ascontiguousarray(positions, dtype="<i4")
+        ids = np.ascontiguousarray(token_ids, dtype="<i4")
+        n = len(pos)
+        key = request_id.encode() + rf.KEY_SEPARATOR + tap_key.encode()
+        _, pos_off, ids_off, payload_off = rf.body_layout(len(key), 0, n)
+        nbytes = n * width * rf.storage_dtype(dtype).itemsize
+        total = rf.align_up(payload_off + nbytes)
+        with self._lock:
+            self._flush_backlog()
+            got = self._reserve_blocking(total)
+            if got is None:
+                self._bump("records_dropped")
+                self._bump("bytes_dropped", total)
+                missing = self.dropped_positions[request_id]
+                missing.update(pos.tolist())
+                self._backlog.append(
+                    (rf.RecordKind.DROP, request_id, tap_key,
+                     {"tensor": int(tensor.kind), "layer": tensor.layer, "positions": pos.tolist()})
+                )
+                self._stats["control_backlog"].set(len(self._backlog))
+                return None
+            start, at = got
+            rel = at % self.capacity
+            s = slice_ if slice_ is not None else (0, width)
+            self._encode_header(
+                rel, total, rf.RecordKind.DATA, key, b"", n, payload_off, tensor=tensor, dtype=dtype,
+                step=step, expected_ranks=expected_ranks, rank_parts=rank_parts, slice_=s,
+                full_dim=full_dim if full_dim is not None else width, num_prompt_tokens=num_prompt_tokens,
+            )
+            self._data[rel + pos_off : rel + pos_off + 4 * n] = pos.view(np.uint8)
+            self._data[rel + ids_off : rel + ids_off + 4 * n] = ids.view(np.uint8)
+            self._bump("records_written")
+            self._bump("bytes_written", total)
+            return self._push(start, at + total, rel + payload_off, nbytes)
+
+    def commit(self, res: Reservation) -> None:
+        with self._lock:
+            res.done = True
+            self._publish()
+
+    def write(self, request_id: str, tensor: TensorId, positions, token_ids, data: np.ndarray, **kw) -> bool:
+        """Reserve, copy `data` ([n, width]) in, commit. False when the record was dropped."""
+        data = np.ascontiguousarray(data)
+        if data.ndim != 2 or data.shape[0] != len(positions):
+            raise ValueError(f"data must be [n_positions, width], got {data.shape}")
+        kw.setdefault("dtype", rf.dtype_code(data.dtype))
+        res = self.reserve(request_id, tensor, positions, token_ids, width=data.shape[1], **kw)
+        if res is None:
+            return False
+        res.payload[:] = data.reshape(-1).view(np.uint8)
+        self.commit(res)
+        return True
+
+    def close(self, unlink: bool = False) -> None:
+        self._buf = self._data = None  # type: ignore[assignment]
+        self._write = self._read = None  # type: ignore[assignment]
+        self._stats = {}
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a framework still holds a view; the mapping goes when it does
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+@dataclass
+class RingInfo:
+    path: str
+    rank: int
+    world_size: int
+    capacity: int
+    epoch: int
+    writer_pid: int
+    write_cursor: int
+    read_cursor: int
+    stats: dict[str, int]
+
+    @property
+    def backlog_bytes(self) -> int:
+        return self.write_cursor - self.read_cursor
+
+
+class RingReader:
+    """The consumer side: copies records out and persists the read cursor in the file."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._mm, self.inode = _map(path, None)
+        if len(self._mm) < rf.HEADER_SIZE:
+            raise RingFormatError(f"{path}: too short for a ring header")
+        magic, version, header_size, capacity, epoch, pid, rank, world, _flags = rf.ident_struct().unpack_from(
+            self._mm, rf.IDENT_OFFSET
+        )
+        if magic != rf.RING_MAGIC:
+            raise RingFormatError(f"{path}: not a vllm-tap ring (bad magic)")
+        if version != rf.RING_FORMAT_VERSION:
+            raise RingFormatError(f"{path}: ring format v{version}, this reader reads v{rf.RING_FORMAT_VERSION}")
+        if header_size != rf.HEADER_SIZE or len(self._mm) != header_size + capacity:
+            raise RingFormatError(f"{path}: inconsistent header (size {len(self._mm)}, capacity {capacity})")
+        self.capacity = capacity
+        self.epoch = epoch
+        self.writer_pid = pid
+        self.rank = rank
+        self.world_size = world
+        self.name = os.path.basename(path)
+        self._buf = np.frombuffer(self._mm, np.uint8)
+        self._data = self._buf[rf.HEADER_SIZE :]
+        self._write = _Cursor(self._buf, rf.WRITE_CURSOR_OFFSET)
+        self._read = _Cursor(self._buf, rf.READ_CURSOR_OFFSET)
+        self.corrupt = 0
+
+    def info(self) -> RingInfo:
+        stats = {
+            name: int(self._buf[rf.STATS_OFFSET + 8 * i : rf.STATS_OFFSET + 8 * i + 8].view("<u8")[0])
+            for i, name in enumerate(rf.STATS_FIELDS)
+        }
+        return RingInfo(self.path, self.rank, self.world_size, self.capacity, self.epoch, self.writer_pid,
+                        self._write.get(), self._read.get(), stats)
+
+    def writer_alive(self) -> bool:
+        try:
+            os.kill(self.writer_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def replaced(self) -> bool:
+        """True once the path names another file (the writer restarted) or none."""
+        try:
+            return os.stat(self.path).st_ino != self.inode
+        except FileNotFoundError:
+            return True
+
+    def pending_bytes(self) -> int:
+        return self._write.get() - self._read.get()
+
+    def poll(self, max_records: int = 1 << 30, max_bytes: int = 1 << 62) -> list[RingRecord]:
+        """Copy out committed records (up to the limits) and advance the persisted read cursor."""
+        out: list[RingRecord] = []
+        r = self._read.get()
+        w = self._write.get()
+        start = r
+        cap = self.capacity
+        now = time.time_ns()
+        rf.reader_struct().pack_into(self._mm, rf.READER_OFFSET, os.getpid(), 0, now)
+        while r < w and len(out) < max_records and r - start < max_bytes:
+            at = r % cap
+            magic, total = rf.PAD_HEADER.unpack_from(self._data, at)
+            if total == 0 or total % rf.ALIGN or total > cap:
+                self._lose(r, w, f"bad record length {total}")
+                r = w
+                break
+            if magic == b"PAD\x00":
+                r += total
+                continue
+            if magic != rf.RECORD_MAGIC:
+                self._lose(r, w, f"bad record magic {magic!r}")
+                r = w
+                break
+            out.append(self._decode(at))
+            r += total
+        self._read.set(r)
+        return out
+
+    def _lose(self, r: int, w: int, why: str) -> None:
+        self.corrupt += 1
+        log.error("ring %s corrupt at cursor %d (%s): skipping %d bytes", self.path, r, why, w - r)
+
+    def _decode(self, at: int) -> RingRecord:
+        (_, total, kind, tensor, dtype, _flags, layer, rank16, expected, parts, n, key_len, _pad,
+         meta_len, step, s0, s1, full_dim, n_prompt, payload_off) = rf.RECORD_HEADER.unpack_from(self._data, at)
+        meta_off, pos_off, ids_off, _ = rf.body_layout(key_len, meta_len, n)
+        base = at + rf.RECORD_HEADER_SIZE
+        key = bytes(self._data[base : base + key_len])
+        request_id, _, tap_key = key.partition(rf.KEY_SEPARATOR)
+        meta = msgpack.unpackb(bytes(self._data[at + meta_off : at + meta_off + meta_len]), raw=False) if meta_len else {}
+        positions = self._data[at + pos_off : at + pos_off + 4 * n].view("<i4").copy()
+        token_ids = self._data[at + ids_off : at + ids_off + 4 * n].view("<i4").copy()
+        data = None
+        kind = rf.RecordKind(kind)
+        if kind == rf.RecordKind.DATA:
+            dt = rf.storage_dtype(dtype)
+            width = s1 - s0
+            nbytes = n * width * dt.itemsize
+            data = self._data[at + payload_off : at + payload_off + nbytes].view(dt).reshape(n, width).copy()
+        return RingRecord(
+            kind=kind, request_id=request_id.decode(), tap_key=tap_key.decode(), step=step,
+            rank=rf.ENGINE_RANK if rank16 == rf.ENGINE_RANK_U16 else rank16,
+            expected_ranks=expected, rank_parts=parts,
+            tensor=TensorId(rf.TensorKind(tensor), layer) if tensor else None, dtype=dtype,
+            slice_start=s0, slice_stop=s1, full_dim=full_dim, num_prompt_tokens=n_prompt,
+            positions=positions, token_ids=token_ids, data=data, meta=meta,
+            source=self.name, epoch=self.epoch,
+        )
+
+    def close(self) -> None:
+        self._buf = self._data = None  # type: ignore[assignment]
+        self._write = self._read = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+
+
+def read_info(path: str) -> RingInfo:
+    """Header snapshot of a ring without consuming anything (for `vllm-tap status`)."""
+    r = RingReader(path)
+    try:
+        return r.info()
+    finally:
+        r.close()
