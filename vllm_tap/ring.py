@@ -95,6 +95,7 @@ class Reservation:
     payload_offset: int  # byte offset of the payload within the whole file mapping
     payload_nbytes: int
     payload: np.ndarray  # uint8 view of the payload bytes
+    token_ids_offset: int = 0  # byte offset of the int32 token ids within the file mapping
     done: bool = False
 
 
@@ -202,10 +203,10 @@ class RingWriter:
                 return got
         return None
 
-    def _push(self, start: int, end: int, payload_off: int, nbytes: int) -> Reservation:
+    def _push(self, start: int, end: int, payload_off: int, nbytes: int, ids_off: int = 0) -> Reservation:
         res = Reservation(
             start, end, rf.HEADER_SIZE + payload_off, nbytes,
-            self._data[payload_off : payload_off + nbytes],
+            self._data[payload_off : payload_off + nbytes], rf.HEADER_SIZE + ids_off,
         )
         self._pending.append(res)
         return res
@@ -276,13 +277,17 @@ class RingWriter:
 
     def reserve(
         self, request_id: str, tensor: TensorId, positions: Iterable[int] | np.ndarray,
-        token_ids: Iterable[int] | np.ndarray, *, dtype: int, width: int, step: int = 0,
+        token_ids: Iterable[int] | np.ndarray | None, *, dtype: int, width: int, step: int = 0,
         tap_key: str = "", slice_: tuple[int, int] | None = None, full_dim: int | None = None,
         num_prompt_tokens: int = 0, expected_ranks: int = 1, rank_parts: int = 1,
     ) -> Reservation | None:
-        """Hold room for a [len(positions), width] slice; None (and counted as dropped) if full."""
+        """Hold room for a [len(positions), width] slice; None (and counted as dropped) if full.
+
+        token_ids=None leaves them for the caller to fill before commit (at token_ids_offset),
+        e.g. by a device copy when the ids only exist on the accelerator.
+        """
         pos = np.ascontiguousarray(positions, dtype="<i4")
-        ids = np.ascontiguousarray(token_ids, dtype="<i4")
+        ids = None if token_ids is None else np.ascontiguousarray(token_ids, dtype="<i4")
         n = len(pos)
         key = request_id.encode() + rf.KEY_SEPARATOR + tap_key.encode()
         _, pos_off, ids_off, payload_off = rf.body_layout(len(key), 0, n)
@@ -311,10 +316,11 @@ class RingWriter:
                 full_dim=full_dim if full_dim is not None else width, num_prompt_tokens=num_prompt_tokens,
             )
             self._data[rel + pos_off : rel + pos_off + 4 * n] = pos.view(np.uint8)
-            self._data[rel + ids_off : rel + ids_off + 4 * n] = ids.view(np.uint8)
+            if ids is not None:
+                self._data[rel + ids_off : rel + ids_off + 4 * n] = ids.view(np.uint8)
             self._bump("records_written")
             self._bump("bytes_written", total)
-            return self._push(start, at + total, rel + payload_off, nbytes)
+            return self._push(start, at + total, rel + payload_off, nbytes, rel + ids_off)
 
     def commit(self, res: Reservation) -> None:
         with self._lock:
@@ -326,7 +332,8 @@ class RingWriter:
         data = np.ascontiguousarray(data)
         if data.ndim != 2 or data.shape[0] != len(positions):
             raise ValueError(f"data must be [n_positions, width], got {data.shape}")
-        kw.setdefault("dtype", rf.dtype_code(data.dtype))
+        if "dtype" not in kw:  # not setdefault: bf16 arrives as uint16, which has no code of its own
+            kw["dtype"] = rf.dtype_code(data.dtype)
         res = self.reserve(request_id, tensor, positions, token_ids, width=data.shape[1], **kw)
         if res is None:
             return False

@@ -137,6 +137,22 @@ class CaptureSpec:
             return max(num_prompt - 1, 0), min(num_prompt, end)
         return max(end - 1, 0), end  # LAST_OUTPUT
 
+    def live_range(self, num_prompt: int) -> tuple[int, int]:
+        """[start, stop) of positions a worker captures while the request runs.
+
+        The end of a request is unknown while it runs, so LAST_OUTPUT captures every output
+        position and the daemon keeps only the last one once the END says which it is.
+        """
+        unbounded = 1 << 62
+        p = self.positions
+        if p == PositionsMode.ALL:
+            return 0, unbounded
+        if p == PositionsMode.PROMPT:
+            return 0, num_prompt
+        if p == PositionsMode.LAST_PROMPT:
+            return max(num_prompt - 1, 0), num_prompt
+        return max(num_prompt - 1, 0), unbounded
+
     @property
     def wants_prompt_rows(self) -> bool:
         """Whether positions before P-1 are captured (needs the prefix cache bypassed)."""
