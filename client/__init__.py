@@ -1,1 +1,46 @@
-"""Subscribe to captures from the daemon (numpy only; no torch, no vllm)."""
+"""Subscribe to captures from the daemon (numpy only; no torch, no vllm).
+
+    from vllm_tap import client
+    for rec in client.subscribe("my-request-id", timeout=30):
+        if rec.missing:            # a Gap: these positions will not arrive
+            print("missing", rec.positions, rec.reason)
+        else:                      # a TokenRecord
+            print(rec.position, rec.phase, rec.token_id, rec.logits.argmax())
+    cap = client.fetch("my-request-id")   # everything stacked: cap.logits [T, V], cap.hidden {layer: [T, H]}
+
+The module-level functions use $VLLM_TAP_ENDPOINT, else the daemon's default socket; `Client(endpoint)`
+and `AsyncClient(endpoint)` take an explicit one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_tap.client.aio import AsyncClient, AsyncSubscription
+from vllm_tap.client.errors import (
+    AmbiguousCapture, CaptureEvicted, CaptureLost, CaptureNotFound, DaemonStopped, DaemonUnavailable,
+    ProtocolError, TapError, TooSlow,
+)
+from vllm_tap.client.records import Capture, CaptureBegin, CaptureEnd, Chunk, Gap, TokenRecord
+from vllm_tap.client.stream import ENDPOINT_ENV, resolve_endpoint
+from vllm_tap.client.sync import Client, Subscription
+
+
+def subscribe(name: str, index: int | None = None, instance: str | None = None, timeout: float = 30.0) -> Subscription:
+    return Client().subscribe(name, index, instance, timeout)
+
+
+def fetch(name: str, index: int | None = None, instance: str | None = None, timeout: float = 30.0) -> Capture:
+    return Client().fetch(name, index, instance, timeout)
+
+
+def status(timeout: float = 5.0) -> dict[str, Any]:
+    return Client().status(timeout)
+
+
+__all__ = [
+    "AmbiguousCapture", "AsyncClient", "AsyncSubscription", "Capture", "CaptureBegin", "CaptureEnd", "CaptureEvicted",
+    "CaptureLost", "CaptureNotFound", "Chunk", "Client", "DaemonStopped", "DaemonUnavailable", "ENDPOINT_ENV", "Gap",
+    "ProtocolError", "Subscription", "TapError", "TokenRecord", "TooSlow", "fetch", "resolve_endpoint", "status",
+    "subscribe",
+]

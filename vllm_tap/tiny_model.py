@@ -28,6 +28,8 @@ class TinyLlamaSpec:
     intermediate_size: int = 256
     max_position_embeddings: int = 2048
     seed: int = 0
+    # Default init gives near-uniform logits; a larger lm_head makes argmax and top-k meaningful.
+    logit_scale: float = 4.0
 
 
 def word(i: int) -> str:
@@ -68,8 +70,7 @@ def make_tiny_llama(path: str, spec: TinyLlamaSpec = TinyLlamaSpec()) -> str:
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
-        # Default init makes near-uniform logits; widen them so top-k and argmax are meaningful.
-        model.lm_head.weight.mul_(20.0)
+        model.lm_head.weight.mul_(spec.logit_scale)
     model.save_pretrained(path, safe_serialization=True)
     with open(marker, "w") as f:
         json.dump(asdict(spec), f)

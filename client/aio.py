@@ -1,0 +1,106 @@
+"""The asyncio client: the same protocol state as the blocking one, over zmq.asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from vllm_tap import wire_format as wf
+
+from vllm_tap.client.errors import DaemonUnavailable
+from vllm_tap.client.records import Capture, CaptureBegin, CaptureBuilder, CaptureEnd, Chunk, Gap, Item
+from vllm_tap.client.stream import HEARTBEAT_S, StreamState, resolve_endpoint
+from vllm_tap.client.sync import RCVHWM, parse_status
+
+
+class AsyncSubscription:
+    """`async for item in sub` yields TokenRecord and Gap items; `.end` is set once it finished."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, state: StreamState):
+        self._ctx = ctx
+        self._state = state
+
+    @property
+    def begin(self) -> CaptureBegin | None:
+        return self._state.begin
+
+    @property
+    def end(self) -> CaptureEnd | None:
+        return self._state.end
+
+    async def __aiter__(self) -> AsyncIterator[Item]:
+        async for item in self.chunks():
+            if isinstance(item, Chunk):
+                for row in item.rows():
+                    yield row
+            else:
+                yield item
+
+    async def chunks(self) -> AsyncIterator[Chunk | Gap]:
+        st = self._state
+        if st.done:
+            return
+        loop = asyncio.get_running_loop()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        sock.connect(st.endpoint)
+        try:
+            await _send(sock, st.start(loop.time()))
+            while not st.done:
+                if await sock.poll(int(st.heartbeat_s * 1000), zmq.POLLIN):
+                    frames = await sock.recv_multipart(copy=False)
+                    for item in st.on_frames(frames, loop.time()):
+                        yield item
+                else:
+                    await _send(sock, st.on_silence(loop.time()))
+        finally:
+            if not st.done:
+                try:
+                    sock.send_multipart(st.cancel(), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+            sock.close(linger=0)
+
+
+async def _send(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+    try:
+        await sock.send_multipart(frames, flags=zmq.NOBLOCK)
+    except zmq.Again:
+        pass
+
+
+class AsyncClient:
+    def __init__(self, endpoint: str | None = None, *, heartbeat_s: float = HEARTBEAT_S,
+                 context: zmq.asyncio.Context | None = None):
+        self.endpoint = resolve_endpoint(endpoint)
+        self.heartbeat_s = heartbeat_s
+        self._ctx = context or zmq.asyncio.Context.instance()
+
+    def subscribe(self, name: str, index: int | None = None, instance: str | None = None,
+                  timeout: float = 30.0) -> AsyncSubscription:
+        return AsyncSubscription(self._ctx, StreamState(self.endpoint, name, index, instance, timeout, self.heartbeat_s))
+
+    async def fetch(self, name: str, index: int | None = None, instance: str | None = None,
+                    timeout: float = 30.0) -> Capture:
+        sub = self.subscribe(name, index, instance, timeout)
+        builder = CaptureBuilder()
+        async for item in sub.chunks():
+            builder.add(item)
+        assert sub.end is not None
+        return builder.build(sub.begin, sub.end)
+
+    async def status(self, timeout: float = 5.0) -> dict[str, Any]:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.endpoint)
+            await sock.send_multipart(wf.StatusRequest(0).frames())
+            if not await sock.poll(int(timeout * 1000), zmq.POLLIN):
+                raise DaemonUnavailable(f"no daemon answered at {self.endpoint} within {timeout:g} s")
+            return parse_status(await sock.recv_multipart())
+        finally:
+            sock.close(linger=0)

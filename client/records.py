@@ -1,0 +1,253 @@
+"""What a subscriber gets: per-token records, gaps, and whole captures stacked into arrays."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterator, Union
+
+import numpy as np
+
+from vllm_tap import ring_format as rf
+
+
+def widen(code: int, arr: np.ndarray) -> np.ndarray:
+    """Storage dtype to a numpy dtype: bfloat16 (carried as uint16) becomes float32, exactly."""
+    if code == rf.DType.BFLOAT16:
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    return arr
+
+
+def phase_of(position: int, num_prompt_tokens: int) -> str:
+    return "prompt" if position < num_prompt_tokens else "output"
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    """One captured position. The logits at p give the distribution of token p+1."""
+
+    position: int
+    phase: str  # 'prompt' or 'output'
+    token_id: int  # the token at this position
+    logits: np.ndarray | None
+    hidden: dict[int, np.ndarray]  # layer (0 = embeddings, i = output of decoder layer i) -> [H]
+    topk_ids: np.ndarray | None = None
+    topk_values: np.ndarray | None = None
+    chosen: np.ndarray | None = None
+    request_id: str = ""
+    missing: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Positions that will not arrive (yielded in order, in place of their records)."""
+
+    positions: range
+    reason: str
+    request_id: str = ""
+    missing: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Consecutive positions as they travel: one array per tensor, rows in position order."""
+
+    request_id: str
+    start: int
+    token_ids: np.ndarray  # int32 [n]
+    num_prompt_tokens: int
+    logits: np.ndarray | None = None
+    hidden: dict[int, np.ndarray] = field(default_factory=dict)
+    topk_ids: np.ndarray | None = None
+    topk_values: np.ndarray | None = None
+    chosen: np.ndarray | None = None
+    missing: ClassVar[bool] = False
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def stop(self) -> int:
+        return self.start + len(self)
+
+    @property
+    def positions(self) -> np.ndarray:
+        return np.arange(self.start, self.stop, dtype=np.int32)
+
+    @classmethod
+    def from_tensors(cls, request_id: str, start: int, token_ids: np.ndarray, num_prompt_tokens: int,
+                     tensors: dict[str, np.ndarray]) -> "Chunk":
+        kw: dict[str, Any] = {"hidden": {}}
+        for name, arr in tensors.items():
+            base, _, layer = name.partition(".")
+            if base == rf.TENSOR_NAMES[rf.TensorKind.HIDDEN] and layer:
+                kw["hidden"][int(layer)] = arr
+            elif base in ("logits", "topk_ids", "topk_values", "chosen"):
+                kw[base] = arr
+        return cls(request_id, start, token_ids, num_prompt_tokens, **kw)
+
+    def cut(self, from_position: int) -> "Chunk":
+        k = max(0, from_position - self.start)
+        if k == 0:
+            return self
+
+        def c(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[k:]
+
+        return Chunk(self.request_id, self.start + k, self.token_ids[k:], self.num_prompt_tokens, c(self.logits),
+                     {l: a[k:] for l, a in self.hidden.items()}, c(self.topk_ids), c(self.topk_values), c(self.chosen))
+
+    def rows(self) -> Iterator[TokenRecord]:
+        for i in range(len(self)):
+            p = self.start + i
+            yield TokenRecord(
+                p, phase_of(p, self.num_prompt_tokens), int(self.token_ids[i]),
+                None if self.logits is None else self.logits[i], {l: a[i] for l, a in self.hidden.items()},
+                None if self.topk_ids is None else self.topk_ids[i],
+                None if self.topk_values is None else self.topk_values[i],
+                None if self.chosen is None else self.chosen[i], self.request_id,
+            )
+
+
+Item = Union[TokenRecord, Gap]
+
+
+@dataclass(frozen=True)
+class CaptureBegin:
+    request_id: str
+    instance: str
+    tap_key: str
+    names: tuple[str, ...]
+    response_id: str
+    choice_index: int
+    num_prompt_tokens: int
+    prompt_token_ids: list[int] | None
+    n: int
+    model: str
+    spec: dict[str, Any] | None
+    start_position: int | None
+    lazy: bool  # the daemon never saw this capture's start (it restarted): metadata may be partial
+
+
+@dataclass(frozen=True)
+class CaptureEnd:
+    request_id: str
+    instance: str
+    reason: str  # the finish reason ('stop', 'length', 'abort', ...) or 'writer gone'
+    num_prompt_tokens: int
+    num_output_tokens: int
+    output_token_ids: list[int]
+    end_position: int | None
+    expected: tuple[int, int] | None  # [start, stop) of positions that should have been captured
+    missing_positions: list[int]  # expected positions that did not arrive (daemon- and client-detected)
+    response_id: str
+    choice_index: int
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing_positions
+
+
+@dataclass
+class Capture:
+    """A whole capture, stacked: row i of every array is position positions[i]."""
+
+    request_id: str
+    instance: str
+    response_id: str
+    choice_index: int
+    num_prompt_tokens: int
+    prompt_token_ids: list[int] | None
+    positions: np.ndarray  # int32 [T]
+    token_ids: np.ndarray  # int32 [T]
+    logits: np.ndarray | None  # [T, V]
+    hidden: dict[int, np.ndarray]  # layer -> [T, H]
+    topk_ids: np.ndarray | None
+    topk_values: np.ndarray | None
+    chosen: np.ndarray | None
+    finish_reason: str
+    num_output_tokens: int
+    output_token_ids: list[int]
+    missing_positions: list[int]
+    expected: tuple[int, int] | None = None
+
+    @property
+    def phases(self) -> np.ndarray:
+        return np.where(self.positions < self.num_prompt_tokens, "prompt", "output")
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing_positions
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every array by a flat name (as saved): positions, token_ids, logits, hidden.L, ..."""
+        out = {"positions": self.positions, "token_ids": self.token_ids}
+        for name in ("logits", "topk_ids", "topk_values", "chosen"):
+            a = getattr(self, name)
+            if a is not None:
+                out[name] = a
+        for layer, a in sorted(self.hidden.items()):
+            out[f"hidden.{layer}"] = a
+        return out
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id, "instance": self.instance, "response_id": self.response_id,
+            "choice_index": self.choice_index, "num_prompt_tokens": self.num_prompt_tokens,
+            "prompt_token_ids": self.prompt_token_ids, "finish_reason": self.finish_reason,
+            "num_output_tokens": self.num_output_tokens, "output_token_ids": self.output_token_ids,
+            "missing_positions": self.missing_positions,
+            "expected": list(self.expected) if self.expected else None,
+        }
+
+    def save(self, path: str) -> None:
+        """.npz or .safetensors. npz: the arrays() names with '.' as '_' (hidden_3), missing_positions,
+        and the metadata as JSON in 'meta'; safetensors: the arrays() names, metadata in the header."""
+        arrays = {k: np.ascontiguousarray(v) for k, v in self.arrays().items()}
+        meta = json.dumps(self.meta())
+        if path.endswith(".safetensors"):
+            from safetensors.numpy import save_file
+
+            save_file(arrays, path, metadata={"vllm_tap": meta})
+        else:
+            np.savez(path, meta=np.array(meta), missing_positions=np.asarray(self.missing_positions, np.int64),
+                     **{k.replace(".", "_"): v for k, v in arrays.items()})
+
+
+class CaptureBuilder:
+    """Collects chunks and gaps, then stacks them with one concatenation per array."""
+
+    def __init__(self) -> None:
+        self.chunks: list[Chunk] = []
+
+    def add(self, item: Chunk | Gap) -> None:
+        if isinstance(item, Chunk):
+            self.chunks.append(item)
+
+    def build(self, begin: CaptureBegin | None, end: CaptureEnd) -> Capture:
+        cs = self.chunks
+        positions = np.concatenate([c.positions for c in cs]) if cs else np.zeros(0, np.int32)
+        token_ids = np.concatenate([c.token_ids for c in cs]).astype(np.int32) if cs else np.zeros(0, np.int32)
+
+        def stack(get) -> np.ndarray | None:
+            parts = [get(c) for c in cs]
+            have = [p for p in parts if p is not None]
+            if not have:
+                return None
+            if len(have) == len(parts):
+                return np.concatenate(have)
+            # A tensor some chunks lack (should not happen within one capture): fill, never shift rows.
+            fill = np.nan if have[0].dtype.kind == "f" else -1
+            return np.concatenate([p if p is not None else np.full((len(c), have[0].shape[1]), fill, have[0].dtype)
+                                   for p, c in zip(parts, cs)])
+
+        layers = sorted({l for c in cs for l in c.hidden})
+        hidden = {l: stack(lambda c, l=l: c.hidden.get(l)) for l in layers}
+        return Capture(
+            end.request_id, end.instance, end.response_id, end.choice_index,
+            end.num_prompt_tokens or (begin.num_prompt_tokens if begin else 0),
+            begin.prompt_token_ids if begin else None, positions, token_ids,
+            stack(lambda c: c.logits), hidden,  # type: ignore[arg-type]
+            stack(lambda c: c.topk_ids), stack(lambda c: c.topk_values), stack(lambda c: c.chosen),
+            end.reason, end.num_output_tokens, list(end.output_token_ids), list(end.missing_positions), end.expected,
+        )

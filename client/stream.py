@@ -1,0 +1,180 @@
+"""One subscription's protocol state, without IO (shared by the blocking and the asyncio client).
+
+The daemon sends each position once, as data or as a gap, in order. Resuming after silence (the
+daemon may have restarted) resends the subscription from the next expected position; whatever
+then comes twice is dropped here, and whatever never comes becomes a Gap here, so the caller
+sees every position exactly once either way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from vllm_tap import wire_format as wf
+from vllm_tap.daemon.config import default_endpoint
+
+from vllm_tap.client.errors import CaptureLost, CaptureNotFound, DaemonUnavailable, ProtocolError, error_for
+from vllm_tap.client.records import CaptureBegin, CaptureEnd, Chunk, Gap, widen
+
+log = logging.getLogger(__name__)
+
+ENDPOINT_ENV = "VLLM_TAP_ENDPOINT"
+HEARTBEAT_S = 1.0  # silence after which the subscription is resent (a cheap no-op for a live daemon)
+LOST = "lost: the daemon restarted mid-stream"
+_ids = itertools.count(1)
+
+
+def resolve_endpoint(endpoint: str | None = None) -> str:
+    return endpoint or os.environ.get(ENDPOINT_ENV) or default_endpoint()
+
+
+class StreamState:
+    def __init__(self, endpoint: str, name: str, index: int | None, instance: str | None, timeout: float,
+                 heartbeat_s: float = HEARTBEAT_S):
+        self.endpoint = endpoint
+        self.name = name
+        self.index = index
+        self.instance = instance
+        self.timeout = timeout
+        self.heartbeat_s = heartbeat_s
+        self.sub_id = (os.getpid() << 20) + next(_ids)
+        self.begin: CaptureBegin | None = None
+        self.end: CaptureEnd | None = None
+        self.next_position: int | None = None
+        self.lost: list[int] = []  # positions the client noticed never arrived
+        self.done = False
+        self._t0 = 0.0
+        self._heard = 0.0
+
+    # -- what to send --
+
+    def start(self, now: float) -> list[bytes]:
+        self._t0 = self._heard = now
+        return self._subscribe(self.timeout)
+
+    def _subscribe(self, timeout: float) -> list[bytes]:
+        return wf.Subscribe(self.sub_id, self.name, self.index, self.instance, self.next_position,
+                            max(0.0, timeout)).frames()
+
+    def cancel(self) -> list[bytes]:
+        return wf.Cancel(self.sub_id).frames()
+
+    def on_silence(self, now: float) -> list[bytes]:
+        """Frames to resend after `heartbeat_s` without a message; raises once it is hopeless."""
+        what = self._what()
+        if self.begin is None:
+            if now - self._t0 > self.timeout + self.heartbeat_s:
+                raise CaptureNotFound(
+                    f"no capture named {what} within {self.timeout:g} s (and no answer from a daemon at "
+                    f"{self.endpoint}: is `vllm-tap daemon` running?)"
+                )
+            return self._subscribe(self.timeout - (now - self._t0))
+        if now - self._heard > max(self.timeout, 3 * self.heartbeat_s):
+            raise DaemonUnavailable(
+                f"lost contact with the daemon at {self.endpoint} for {now - self._heard:.1f} s while streaming "
+                f"{what} (next position {self.next_position})"
+            )
+        return self._subscribe(self.timeout)
+
+    def _what(self) -> str:
+        return repr(self.name) + (f" index {self.index}" if self.index is not None else "") + (
+            f" in instance {self.instance!r}" if self.instance is not None else "")
+
+    # -- what came --
+
+    def on_frames(self, frames: Sequence[Any], now: float) -> list[Chunk | Gap]:
+        try:
+            h = wf.unpack_header(_bytes(frames[0]))
+        except wf.WireError as e:
+            raise ProtocolError(f"unreadable message from the daemon at {self.endpoint}: {e.message}") from None
+        if h.get(wf.K_ID) != self.sub_id:
+            return []  # an answer to a previous subscription on this socket
+        self._heard = now
+        t = h[wf.K_TYPE]
+        if t == wf.ERROR:
+            self.done = True
+            code, message = h.get("code", ""), h.get("message", "")
+            if code == wf.E_NOT_FOUND and self.begin is not None:
+                raise CaptureLost(f"the daemon no longer knows {self._what()} (it restarted?); positions from "
+                                  f"{self.next_position} on are lost")
+            raise error_for(code, message)
+        if t == wf.BEGIN:
+            if self.begin is None:  # a resumed subscription repeats it: keep the first
+                self.begin = CaptureBegin(
+                    h["request_id"], h["instance"], h.get("tap_key", ""), tuple(h.get("names", ())), h.get("response_id", ""),
+                    int(h.get("choice_index", 0)), int(h.get("num_prompt_tokens", 0)), h.get("prompt_token_ids"),
+                    int(h.get("n", 1)), h.get("model", ""), h.get("spec"), h.get("start_position"), bool(h.get("lazy")),
+                )
+                if self.next_position is None:
+                    self.next_position = self.begin.start_position
+            return []
+        if t == wf.TOKENS:
+            return self._tokens(h, frames[1:])
+        if t == wf.GAP:
+            return self._gap(h["request_id"], int(h["start"]), int(h["stop"]), str(h.get("reason", "")))
+        if t == wf.END:
+            return self._end(h)
+        raise ProtocolError(f"unexpected message type {t!r} from the daemon")
+
+    def _advance(self, start: int, stop: int, rid: str) -> tuple[int, list[Chunk | Gap]]:
+        """Where new material starts (>= start), and a Gap for anything skipped before it."""
+        nxt = self.next_position
+        if nxt is None or start <= nxt:
+            return (start if nxt is None else max(start, nxt)), []
+        lost = range(nxt, start)
+        self.lost.extend(lost)
+        log.warning("capture %s: positions %d..%d lost (daemon restarted mid-stream)", rid, nxt, start - 1)
+        return start, [Gap(lost, LOST, rid)]
+
+    def _tokens(self, h: dict[str, Any], frames: Sequence[Any]) -> list[Chunk | Gap]:
+        start, count, rid = int(h["start"]), int(h["count"]), h["request_id"]
+        if self.next_position is not None and start + count <= self.next_position:
+            return []
+        try:
+            tensors = wf.read_tensors(h.get("tensors", []), frames)
+        except wf.WireError as e:
+            raise ProtocolError(e.message) from None
+        ids = np.frombuffer(h["token_ids"], "<i4")
+        chunk = Chunk.from_tensors(rid, start, ids, int(h.get("num_prompt_tokens", 0)),
+                                   {n: widen(code, a) for n, (code, a) in tensors.items()})
+        at, out = self._advance(start, start + count, rid)
+        self.next_position = start + count
+        out.append(chunk.cut(at))
+        return out
+
+    def _gap(self, rid: str, start: int, stop: int, reason: str) -> list[Chunk | Gap]:
+        if self.next_position is not None and stop <= self.next_position:
+            return []
+        at, out = self._advance(start, stop, rid)
+        self.next_position = stop
+        log.warning("capture %s: positions %d..%d missing (%s)", rid, at, stop - 1, reason)
+        out.append(Gap(range(at, stop), reason, rid))
+        return out
+
+    def _end(self, h: dict[str, Any]) -> list[Chunk | Gap]:
+        rid = h["request_id"]
+        expected = tuple(h["expected"]) if h.get("expected") else None
+        out: list[Chunk | Gap] = []
+        if expected is not None and expected[1] > expected[0]:
+            if self.next_position is None:
+                self.next_position = expected[0]
+            if self.next_position < expected[1]:
+                _, out = self._advance(expected[1], expected[1], rid)  # anything the stream skipped
+                self.next_position = expected[1]
+        missing = sorted(set(wf.expand_ranges(h.get("missing", []))) | set(self.lost))
+        self.end = CaptureEnd(
+            rid, h["instance"], h["reason"], int(h.get("num_prompt_tokens", 0)), int(h.get("num_output_tokens", 0)),
+            list(h.get("output_token_ids", [])), h.get("end_position"), expected, missing,  # type: ignore[arg-type]
+            h.get("response_id", ""), int(h.get("choice_index", 0)),
+        )
+        self.done = True
+        return out
+
+
+def _bytes(frame: Any) -> bytes | memoryview:
+    return frame.buffer if hasattr(frame, "buffer") else frame

@@ -1,0 +1,153 @@
+"""The blocking client."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import zmq
+
+from vllm_tap import wire_format as wf
+
+from vllm_tap.client.errors import DaemonUnavailable, ProtocolError, error_for
+from vllm_tap.client.records import Capture, CaptureBegin, CaptureBuilder, CaptureEnd, Chunk, Gap, Item
+from vllm_tap.client.stream import HEARTBEAT_S, StreamState, resolve_endpoint
+
+RCVHWM = 256  # messages buffered from the daemon; beyond that the daemon waits (and may cut us off)
+
+
+class Subscription:
+    """Iterate for TokenRecord and Gap items in position order; `.end` is set once it finished.
+
+    Iterating `chunks()` instead yields the same data a message at a time (Chunk objects of
+    consecutive positions), which is cheaper when you stack arrays anyway.
+    """
+
+    def __init__(self, ctx: zmq.Context, state: StreamState):
+        self._ctx = ctx
+        self._state = state
+        self._sock: zmq.Socket | None = None
+
+    @property
+    def begin(self) -> CaptureBegin | None:
+        return self._state.begin
+
+    @property
+    def end(self) -> CaptureEnd | None:
+        return self._state.end
+
+    @property
+    def missing_positions(self) -> list[int]:
+        """Missing so far (complete only after the end)."""
+        return self._state.end.missing_positions if self._state.end else list(self._state.lost)
+
+    def __iter__(self) -> Iterator[Item]:
+        for item in self.chunks():
+            if isinstance(item, Chunk):
+                yield from item.rows()
+            else:
+                yield item
+
+    def chunks(self) -> Iterator[Chunk | Gap]:
+        st = self._state
+        if st.done:
+            return
+        sock = self._sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        sock.connect(st.endpoint)
+        try:
+            _send(sock, st.start(time.monotonic()))
+            while not st.done:
+                try:  # poll only when nothing is waiting: a poll per message costs as much as the recv
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    if not sock.poll(int(st.heartbeat_s * 1000), zmq.POLLIN):
+                        _send(sock, st.on_silence(time.monotonic()))
+                    continue
+                yield from st.on_frames(frames, time.monotonic())
+        finally:
+            if not st.done:
+                _send(sock, st.cancel())
+            sock.close(linger=0)
+            self._sock = None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def __enter__(self) -> "Subscription":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _send(sock: zmq.Socket, frames: list[bytes]) -> None:
+    try:
+        sock.send_multipart(frames, flags=zmq.NOBLOCK)
+    except zmq.Again:
+        pass  # not connected yet: the next heartbeat resends
+
+
+class Client:
+    """Subscribe to captures from a daemon at `endpoint` (default: $VLLM_TAP_ENDPOINT, else the
+    daemon's default socket)."""
+
+    def __init__(self, endpoint: str | None = None, *, heartbeat_s: float = HEARTBEAT_S, context: zmq.Context | None = None):
+        self.endpoint = resolve_endpoint(endpoint)
+        self.heartbeat_s = heartbeat_s
+        self._ctx = context or zmq.Context.instance()
+
+    def subscribe(self, name: str, index: int | None = None, instance: str | None = None,
+                  timeout: float = 30.0) -> Subscription:
+        """Stream a capture by any of its names (request id, response id, X-Request-Id, tap_key).
+
+        Waits up to `timeout` for it to appear (CaptureNotFound after that); replays from the first
+        position if it started earlier or already ended; ends after the capture's end.
+        """
+        return Subscription(self._ctx, StreamState(self.endpoint, name, index, instance, timeout, self.heartbeat_s))
+
+    def fetch(self, name: str, index: int | None = None, instance: str | None = None, timeout: float = 30.0) -> Capture:
+        """The whole capture, stacked, once it has ended."""
+        sub = self.subscribe(name, index, instance, timeout)
+        builder = CaptureBuilder()
+        for item in sub.chunks():
+            builder.add(item)
+        assert sub.end is not None
+        return builder.build(sub.begin, sub.end)
+
+    def status(self, timeout: float = 5.0) -> dict[str, Any]:
+        """The daemon's snapshot: rings, writers, requests in flight, bytes, drops, subscribers."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.endpoint)
+            sock.send_multipart(wf.StatusRequest(0).frames())
+            if not sock.poll(int(timeout * 1000), zmq.POLLIN):
+                raise DaemonUnavailable(f"no daemon answered at {self.endpoint} within {timeout:g} s")
+            return parse_status(sock.recv_multipart())
+        finally:
+            sock.close(linger=0)
+
+    def close(self) -> None:
+        pass  # sockets live per subscription; the shared context outlives clients
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def parse_status(frames: list[bytes]) -> dict[str, Any]:
+    try:
+        h = wf.unpack_header(frames[0])
+    except wf.WireError as e:
+        raise ProtocolError(f"unreadable status reply: {e.message}") from None
+    if h[wf.K_TYPE] == wf.ERROR:
+        raise error_for(h.get("code", ""), h.get("message", ""))
+    if h[wf.K_TYPE] != wf.STATUS:
+        raise ProtocolError(f"expected a status reply, got {h[wf.K_TYPE]!r}")
+    return h["status"]

@@ -1,0 +1,256 @@
+"""Build a DaemonConfig from one TOML file, then the environment, then command-line flags.
+
+Later sources win. Every problem becomes a ConfigError whose message is one line naming the key
+and where the bad value came from, because the operator reads it in `journalctl` or a terminal and
+should not have to decode a traceback to find the typo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import sys
+import typing
+from typing import Any, Mapping
+
+from vllm_tap.daemon.config import DaemonConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - the project targets 3.11; tomli is the same parser for 3.10
+    import tomli as tomllib
+
+DEFAULT_CONFIG_PATH = "/etc/vllm-tap/config.toml"
+ENV_PREFIX = "VLLM_TAP_"
+RUNTIME_SOCKET = "tap.sock"
+
+# One line per key; the README's configuration table is generated from this (see markdown_table).
+DOCS: dict[str, str] = {
+    "shm_dir": "Directory the vLLM hook writes rings into (one sub-directory per vLLM instance).",
+    "endpoint": "ZeroMQ endpoint subscribers connect to, `ipc://PATH` or `tcp://HOST:PORT`; empty = "
+    "`ipc://$RUNTIME_DIRECTORY/tap.sock` under systemd (`/run/vllm-tap/tap.sock` with the shipped unit), "
+    "else `ipc:///run/vllm-tap/tap.sock` as root, else under `$XDG_RUNTIME_DIR`.",
+    "poll_interval_s": "Sleep between ring scans when every ring is empty (seconds, > 0); lower = less latency, more CPU.",
+    "retain_bytes": "Finished requests kept for late subscribers, evicted oldest first beyond this size "
+    "(bytes; `512MiB`, `1GiB` accepted).",
+    "retain_ttl_s": "Longest a finished request is kept for late subscribers (seconds; `10m` accepted).",
+    "end_grace_s": "After a request's first END, how long to wait for the other ranks' slices before "
+    "delivering it (seconds).",
+    "subscriber_queue": "Messages queued per subscriber before it is cut off as too slow (>= 1).",
+    "metrics_addr": "`HOST:PORT` (or `:PORT`) for the Prometheus endpoint; empty = no endpoint.",
+    "log_level": "`DEBUG`, `INFO`, `WARNING`, `ERROR` or `CRITICAL`.",
+}
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h": 3600.0}
+_NUMBER_WITH_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, already phrased as the one line the operator will see."""
+
+
+def _field_types() -> dict[str, type]:
+    hints = typing.get_type_hints(DaemonConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(DaemonConfig)}
+
+
+def env_var(key: str) -> str:
+    return ENV_PREFIX + key.upper()
+
+
+def flag_name(key: str) -> str:
+    """retain_ttl_s -> --retain-ttl: flags drop the unit suffix the CLI has always used."""
+    return "--" + key.removesuffix("_s").replace("_", "-")
+
+
+def _parse_size(text: str) -> int:
+    m = _NUMBER_WITH_UNIT.match(text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"expected a byte count like 1073741824 or 1GiB, got {text!r}")
+    value = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    if value != int(value):
+        raise ValueError(f"not a whole number of bytes: {text!r}")
+    return int(value)
+
+
+def _parse_duration(text: str) -> float:
+    m = _NUMBER_WITH_UNIT.match(text)
+    if not m or m.group(2).lower() not in _DURATION_UNITS:
+        raise ValueError(f"expected seconds like 0.5 or a duration like 500ms / 10m, got {text!r}")
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
+
+
+def _coerce(key: str, typ: type, value: Any) -> Any:
+    """Turn a TOML value or a string (environment, flags) into the field's type; ValueError if it cannot."""
+    if isinstance(value, bool):  # bool is an int subclass; `retain_bytes = true` is a mistake, not 1
+        raise ValueError(f"expected {typ.__name__}, got a boolean")
+    if typ is str:
+        if not isinstance(value, str):
+            raise ValueError(f"expected a string, got {type(value).__name__} {value!r}")
+        return value
+    if typ is int:
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            if key.endswith("_bytes"):
+                return _parse_size(value)
+            try:
+                return int(value.strip())
+            except ValueError:
+                raise ValueError(f"expected an integer, got {value!r}") from None
+        raise ValueError(f"expected an integer, got {type(value).__name__} {value!r}")
+    if typ is float:
+        if isinstance(value, (int, float)):
+            out = float(value)
+        elif isinstance(value, str):
+            out = _parse_duration(value) if key.endswith("_s") else float(value)
+        else:
+            raise ValueError(f"expected a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(out):
+            raise ValueError(f"expected a finite number, got {value!r}")
+        return out
+    raise TypeError(f"DaemonConfig.{key} has type {typ!r}, which config_load cannot parse")  # a bug, not input
+
+
+def _check_metrics_addr(addr: str) -> None:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT or :PORT, got {addr!r}")
+
+
+def _validate(cfg: DaemonConfig) -> list[tuple[str, str]]:
+    """(key, reason) for every value that parses but makes no sense."""
+    bad: list[tuple[str, str]] = []
+    if not cfg.shm_dir:
+        bad.append(("shm_dir", "must not be empty"))
+    if cfg.endpoint and (not cfg.endpoint.startswith(("ipc://", "tcp://")) or cfg.endpoint in ("ipc://", "tcp://")):
+        bad.append(("endpoint", f"unsupported endpoint {cfg.endpoint!r}: use ipc://PATH or tcp://HOST:PORT"))
+    if cfg.poll_interval_s <= 0:
+        bad.append(("poll_interval_s", f"must be > 0, got {cfg.poll_interval_s}"))
+    for key in ("retain_bytes", "retain_ttl_s", "end_grace_s"):
+        if getattr(cfg, key) < 0:
+            bad.append((key, f"must be >= 0, got {getattr(cfg, key)}"))
+    if cfg.subscriber_queue < 1:
+        bad.append(("subscriber_queue", f"must be >= 1, got {cfg.subscriber_queue}"))
+    if cfg.metrics_addr:
+        try:
+            _check_metrics_addr(cfg.metrics_addr)
+        except ValueError as e:
+            bad.append(("metrics_addr", str(e)))
+    if cfg.log_level.upper() not in _LOG_LEVELS:
+        bad.append(("log_level", f"must be one of {', '.join(_LOG_LEVELS)}, got {cfg.log_level!r}"))
+    return bad
+
+
+def _exists(path: str) -> bool:
+    """Unlike os.path.exists, True when the path cannot even be looked at (EACCES), so that the
+    read fails loudly instead of the operator's settings being skipped."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot read: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path}: invalid TOML: {' '.join(str(e).split())}") from None
+
+
+def load_config(
+    path: str | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> DaemonConfig:
+    """File (`path`, else DEFAULT_CONFIG_PATH if it exists) < `env` (VLLM_TAP_<KEY>) < `flags`.
+
+    `flags` maps field names to values; None means "not given" so a CLI can pass every option
+    through unfiltered. Unknown VLLM_TAP_* variables are ignored: the hook shares that prefix.
+    """
+    env = os.environ if env is None else env
+    types = _field_types()
+    values: dict[str, Any] = {}
+    source: dict[str, str] = {}
+
+    # The default file may be absent; present but unreadable is an error, not "no settings".
+    if path is None and _exists(DEFAULT_CONFIG_PATH):
+        path = DEFAULT_CONFIG_PATH
+    for key, value in (_read_toml(path) if path is not None else {}).items():
+        where = f"config file {path}"
+        if key not in types:
+            raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(types)})")
+        values[key], source[key] = value, where
+
+    for key in types:
+        if env_var(key) in env:
+            values[key], source[key] = env[env_var(key)], f"environment {env_var(key)}"
+
+    for key, value in (flags or {}).items():
+        if key not in types:
+            raise ConfigError(f"unknown option {flag_name(key)}")
+        if value is not None:
+            values[key], source[key] = value, f"option {flag_name(key)}"
+
+    parsed: dict[str, Any] = {}
+    for key, value in values.items():
+        try:
+            parsed[key] = _coerce(key, types[key], value)
+        except ValueError as e:
+            raise ConfigError(f"{source[key]}: {key}: {e}") from None
+    cfg = DaemonConfig(**parsed)
+    cfg.log_level = cfg.log_level.upper()
+    if not cfg.endpoint and env.get("RUNTIME_DIRECTORY"):
+        # Under systemd the unit's RuntimeDirectory= is the one place both the daemon (sandboxed,
+        # PrivateTmp) and its subscribers can reach; the user-session default would be neither.
+        cfg.endpoint = f"ipc://{env['RUNTIME_DIRECTORY'].split(':')[0]}/{RUNTIME_SOCKET}"
+
+    problems = _validate(cfg)
+    if problems:
+        key, reason = problems[0]  # one line; the operator fixes one thing at a time anyway
+        where = source.get(key, "default")
+        raise ConfigError(f"{where}: {key}: {reason}")
+    return cfg
+
+
+def _human(key: str, value: Any) -> str:
+    """A default as it would be written in config.toml."""
+    if isinstance(value, str):
+        return f'"{value}"'
+    if key.endswith("_bytes") and value:
+        for unit in ("TiB", "GiB", "MiB", "KiB"):
+            if value % _SIZE_UNITS[unit.lower()] == 0:
+                return f'"{value // _SIZE_UNITS[unit.lower()]}{unit}"'
+    return repr(value)
+
+
+def markdown_table() -> str:
+    """The README's configuration table, so the documentation cannot drift from the code."""
+    defaults = DaemonConfig()
+    rows = ["| key | environment | default | meaning |", "|---|---|---|---|"]
+    for f in dataclasses.fields(DaemonConfig):
+        default = getattr(defaults, f.name)
+        shown = f"`{_human(f.name, default)}`"
+        rows.append(f"| `{f.name}` | `{env_var(f.name)}` | {shown} | {DOCS.get(f.name, '')} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    # `python -m vllm_tap.daemon.config_load` prints the table for README-operate.md.
+    sys.stdout.write(markdown_table() + "\n")

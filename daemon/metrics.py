@@ -1,0 +1,137 @@
+"""Prometheus exposition of the daemon's state, computed from Daemon.snapshot() at scrape time.
+
+A custom collector rather than Counter/Gauge objects updated in the read loop: the hot path stays
+free of metric bookkeeping, and a scrape costs one snapshot. The registry is private so importing
+this module (or prometheus_client's default process metrics) never changes what is exposed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable, Iterable, Protocol
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+log = logging.getLogger(__name__)
+
+
+class SnapshotSource(Protocol):
+    def snapshot(self) -> dict[str, Any]: ...
+
+
+def _le(key: str) -> float:
+    return math.inf if key.strip().lower() in ("+inf", "inf") else float(key)
+
+
+def _buckets(hist: dict[str, Any]) -> list[tuple[str, float]]:
+    """Daemon histogram ({"buckets": {le: cumulative count}, "count": n}) -> Prometheus buckets."""
+    pairs = sorted((_le(str(k)), float(v)) for k, v in (hist.get("buckets") or {}).items())
+    out = [(floatToGoString(le), v) for le, v in pairs if not math.isinf(le)]
+    out.append(("+Inf", float(hist.get("count", 0))))
+    return out
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc)
+    g.add_metric([], float(value))
+    return g
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc)  # exposed as NAME_total
+    c.add_metric([], float(value))
+    return c
+
+
+# Per ring: (metric, help, kind, how to read it from a snapshot's ring entry).
+_RING_METRICS: list[tuple[str, str, str, Callable[[dict[str, Any]], float]]] = [
+    ("vllm_tap_ring_writer_alive", "1 while the ring's writer (a vLLM worker) is alive.", "gauge", lambda r: bool(r["alive"])),
+    ("vllm_tap_ring_capacity_bytes", "Size of the ring's data area.", "gauge", lambda r: r["capacity"]),
+    ("vllm_tap_ring_pending_bytes", "Written but not yet read: how far the daemon lags this writer.", "gauge",
+     lambda r: r["pending_bytes"]),
+    ("vllm_tap_ring_records_written", "Records the writer committed.", "counter", lambda r: r["writer"]["records_written"]),
+    ("vllm_tap_ring_bytes_written", "Bytes the writer committed.", "counter", lambda r: r["writer"]["bytes_written"]),
+    ("vllm_tap_ring_records_dropped", "Records the writer dropped because the ring was full.", "counter",
+     lambda r: r["writer"]["records_dropped"]),
+    ("vllm_tap_ring_bytes_dropped", "Bytes the writer dropped because the ring was full.", "counter",
+     lambda r: r["writer"]["bytes_dropped"]),
+    ("vllm_tap_ring_corrupt", "Times the daemon found the ring corrupt and skipped ahead.", "counter", lambda r: r["corrupt"]),
+]
+RING_LABELS = ["instance", "ring", "rank"]
+
+
+class DaemonCollector(Collector):
+    def __init__(self, source: SnapshotSource):
+        self._source = source
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            snap = self._source.snapshot()
+        except Exception as e:  # a scrape must not kill the exporter thread; the failure shows as up=0
+            log.warning("metrics: no daemon snapshot: %s", e)
+            snap = None
+        yield _gauge("vllm_tap_up", "1 when the daemon's main loop answered the scrape.", 0.0 if snap is None else 1.0)
+        if snap is None:
+            return
+        try:
+            families = list(self._families(snap))
+        except (KeyError, TypeError, ValueError) as e:  # a snapshot of another shape: say so, once per scrape
+            log.error("metrics: unexpected snapshot layout: %r", e)
+            return
+        yield from families
+
+    def _families(self, s: dict[str, Any]) -> Iterable[Metric]:
+        rings = s["rings"]
+        yield _gauge("vllm_tap_rings", "Rings the daemon is reading.", len(rings))
+        yield _gauge("vllm_tap_writers", "Rings whose writer is alive.", sum(1 for r in rings if r["alive"]))
+        for name, doc, kind, read in _RING_METRICS:
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=RING_LABELS)
+            for r in rings:
+                family.add_metric([str(r["instance"]), str(r["name"]), str(r["rank"])], float(read(r)))
+            yield family
+
+        drops = s["drops"]
+        yield _gauge("vllm_tap_uptime_seconds", "Seconds since the daemon started.", s["uptime_s"])
+        yield _gauge("vllm_tap_requests_in_flight", "Requests whose capture has not ended yet.", s["requests_in_flight"])
+        yield _gauge("vllm_tap_requests_retained", "Finished captures kept for late subscribers.", s["retained_requests"])
+        yield _gauge("vllm_tap_retained_bytes", "Bytes held by retained captures.", s["retained_bytes"])
+        yield _counter("vllm_tap_requests_evicted", "Finished captures evicted (retain_bytes / retain_ttl_s).", s["evicted_requests"])
+        yield _counter("vllm_tap_records", "Records read from all rings.", s["records_in"])
+        yield _counter("vllm_tap_bytes", "Tensor payload bytes read from all rings.", s["bytes_in"])
+        yield _counter("vllm_tap_dropped_records", "Records writers dropped because a ring was full (all rings).", drops["records"])
+        yield _counter("vllm_tap_dropped_bytes", "Bytes writers dropped because a ring was full (all rings).", drops["bytes"])
+        yield _counter("vllm_tap_missing_positions", "Token positions delivered as gaps (dropped or never written).",
+                       drops["missing_positions"])
+        yield _gauge("vllm_tap_subscribers", "Open subscriptions.", s["subscribers"])
+        yield _gauge("vllm_tap_subscribers_waiting", "Subscriptions waiting for their capture to appear.", s["subscribers_waiting"])
+        yield _counter("vllm_tap_subscriptions", "Subscriptions accepted.", s["subscribers_total"])
+        yield _counter("vllm_tap_subscribers_too_slow", "Subscriptions cut off for falling subscriber_queue messages behind.",
+                       s["subscribers_too_slow"])
+        yield _counter("vllm_tap_delivered_messages", "Messages sent to subscribers.", s["delivered_messages"])
+        yield _counter("vllm_tap_delivered_bytes", "Bytes sent to subscribers.", s["delivered_bytes"])
+        yield _counter("vllm_tap_bad_requests", "Client messages rejected as malformed.", s["bad_requests"])
+        hist = s["delivery_latency_s"]
+        h = HistogramMetricFamily("vllm_tap_delivery_latency_seconds", "From reading a record off its ring to sending it to a subscriber.")
+        h.add_metric([], _buckets(hist), sum_value=float(hist["sum"]))
+        yield h
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    """'host:port', ':port' or '[v6]:port' -> (host, port); an empty host listens everywhere."""
+    host, _, port = addr.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port)
+
+
+def start_metrics_server(addr: str, daemon: SnapshotSource):
+    """Serve /metrics on `addr` from a daemon thread; returns (server, thread) so callers can stop it."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DaemonCollector(daemon))
+    host, port = split_addr(addr)
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    log.info("metrics on http://%s:%d/metrics", host, server.server_address[1])
+    return server, thread

@@ -1,0 +1,146 @@
+"""Shared fixtures: a private shm directory, a short ipc socket path, and a real daemon process.
+
+Other test files may use them:
+    def test_x(daemon_proc):            # a daemon on a fresh shm dir, default settings
+        Client(daemon_proc.endpoint).status()
+    def test_y(daemon_factory):         # custom settings: any DaemonConfig field the CLI exposes
+        d = daemon_factory(end_grace_s=0.5, retain_bytes=1 << 20)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)  # tests import synthetic_writer
+
+# DaemonConfig field -> `vllm-tap daemon` flag.
+DAEMON_FLAGS = {
+    "retain_bytes": "--retain-bytes", "retain_ttl_s": "--retain-ttl", "end_grace_s": "--end-grace",
+    "poll_interval_s": "--poll-interval", "subscriber_queue": "--subscriber-queue", "log_level": "--log-level",
+}
+
+
+@pytest.fixture
+def shm_dir():
+    d = tempfile.mkdtemp(prefix="vllm-tap-test-", dir="/dev/shm")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def sock_dir():
+    # ipc paths are limited to ~107 bytes, so not under pytest's long tmp_path.
+    d = tempfile.mkdtemp(prefix="vt-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@dataclass
+class DaemonProcess:
+    """`vllm-tap daemon` in a child process (its log goes to `log_path`)."""
+
+    shm_dir: str
+    endpoint: str
+    log_path: str
+    settings: dict = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+
+    def argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "vllm_tap.cli", "daemon", "--shm-dir", self.shm_dir, "--endpoint", self.endpoint]
+        for k, v in self.settings.items():
+            argv += [DAEMON_FLAGS[k], str(v)]
+        return argv
+
+    def start(self, wait: bool = True) -> "DaemonProcess":
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=log)
+        log.close()
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 15.0) -> None:
+        from vllm_tap.client import Client, DaemonUnavailable
+
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                Client(self.endpoint).status(timeout=0.2)
+                return
+            except DaemonUnavailable:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"daemon not ready after {timeout} s:\n{self.log()}")
+
+    def client(self):
+        from vllm_tap.client import Client
+
+        return Client(self.endpoint)
+
+    def status(self) -> dict:
+        return self.client().status(timeout=5.0)
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye, no cleanup."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@pytest.fixture
+def daemon_factory(shm_dir, sock_dir):
+    """Start daemons on this test's shm dir: daemon_factory(**DaemonConfig fields) -> DaemonProcess."""
+    made: list[DaemonProcess] = []
+
+    def make(*, start: bool = True, endpoint: str | None = None, **settings) -> DaemonProcess:
+        settings.setdefault("log_level", "INFO")
+        d = DaemonProcess(shm_dir, endpoint or f"ipc://{sock_dir}/d{len(made)}.sock",
+                          os.path.join(sock_dir, f"daemon{len(made)}.log"), settings)
+        made.append(d)
+        return d.start() if start else d
+
+    yield make
+    for d in made:
+        if d.alive():
+            d.stop()
+
+
+@pytest.fixture
+def daemon_proc(daemon_factory) -> DaemonProcess:
+    """A running daemon on a fresh shm dir (end grace shortened so incomplete requests end quickly)."""
+    return daemon_factory(end_grace_s=1.0)

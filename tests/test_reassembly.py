@@ -1,0 +1,299 @@
+"""The reassembler as a pure state machine: records in, events out; no IO, time passed in."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_tap import ring_format as rf
+from vllm_tap.daemon.reassembly import (
+    DROPPED, INCOMPLETE, NOT_CAPTURED, TIMEOUT, WRITER_GONE, Begin, End, Gap, Reassembler, Tokens,
+)
+from vllm_tap.records import RingRecord, TensorId
+from vllm_tap.spec import CaptureSpec
+
+V = 8  # vocab
+H = 4  # hidden
+LOGITS = TensorId(rf.TensorKind.LOGITS)
+RID = "req-1"
+
+
+def vals(name: str, positions, s0: int, s1: int) -> np.ndarray:
+    p = np.asarray(positions, np.float32)[:, None]
+    c = np.arange(s0, s1, dtype=np.float32)[None, :]
+    return p * 100 + c + (0.5 if name != "logits" else 0.0)
+
+
+def data(step, positions, *, tensor=LOGITS, rank=0, expected=1, parts=1, s=None, full=None, rid=RID,
+         source=None, n_prompt=4) -> RingRecord:
+    full = full or (V if tensor.kind == rf.TensorKind.LOGITS else H)
+    s0, s1 = s or (0, full)
+    pos = np.asarray(positions, np.int32)
+    return RingRecord(
+        kind=rf.RecordKind.DATA, request_id=rid, step=step, rank=rank, expected_ranks=expected, rank_parts=parts,
+        tensor=tensor, dtype=rf.DType.FLOAT32, slice_start=s0, slice_stop=s1, full_dim=full, num_prompt_tokens=n_prompt,
+        positions=pos, token_ids=pos + 1000, data=vals(tensor.name, pos, s0, s1), source=source or f"rank-{rank:05d}.ring",
+    )
+
+
+def begin(rid=RID, n_prompt=4, spec=None) -> RingRecord:
+    return RingRecord(kind=rf.RecordKind.BEGIN, request_id=rid, rank=rf.ENGINE_RANK, source="engine.ring", meta={
+        "spec": (spec or CaptureSpec()).to_meta(), "num_prompt_tokens": n_prompt,
+        "prompt_token_ids": list(range(n_prompt)), "n": 1, "model": "m"})
+
+
+def end(end_position, rid=RID, n_prompt=4, reason="stop") -> RingRecord:
+    return RingRecord(kind=rf.RecordKind.END, request_id=rid, rank=rf.ENGINE_RANK, source="engine.ring", meta={
+        "reason": reason, "num_prompt_tokens": n_prompt, "num_output_tokens": end_position - n_prompt + 1,
+        "output_token_ids": [7] * (end_position - n_prompt + 1), "end_position": end_position})
+
+
+def drop(positions, rid=RID, rank=0) -> RingRecord:
+    return RingRecord(kind=rf.RecordKind.DROP, request_id=rid, rank=rank, source=f"rank-{rank:05d}.ring",
+                      meta={"tensor": int(rf.TensorKind.LOGITS), "layer": -1, "positions": list(positions)})
+
+
+def feed(r: Reassembler, *records, now=0.0) -> list:
+    out = []
+    for rec in records:
+        out += r.feed(rec, now)
+    return out
+
+
+def delivered(events) -> list[int]:
+    return [int(p) for e in events if isinstance(e, Tokens) for p in e.positions]
+
+
+def gaps(events) -> list[tuple[list[int], str]]:
+    return [(list(e.positions), e.reason) for e in events if isinstance(e, Gap)]
+
+
+def the_end(events) -> End:
+    ends = [e for e in events if isinstance(e, End)]
+    assert len(ends) == 1, events
+    return ends[0]
+
+
+def test_single_rank_in_order_views_and_end():
+    r = Reassembler("inst")
+    ev = feed(r, begin())
+    assert isinstance(ev[0], Begin) and ev[0].start_position == 0 and not ev[0].lazy
+    rec = data(0, [0, 1, 2, 3])
+    ev = feed(r, rec, data(1, [4]), end(5))
+    assert delivered(ev) == [0, 1, 2, 3, 4]
+    first = ev[0]
+    assert np.shares_memory(first.tensors["logits"], rec.data), "tp=1 must not copy"
+    assert first.tensors["logits"].tobytes() == vals("logits", [0, 1, 2, 3], 0, V).tobytes()
+    assert list(first.token_ids) == [1000, 1001, 1002, 1003]
+    e = the_end(ev)
+    assert e.reason == "stop" and e.missing_positions == [] and e.delivered == 5 and e.expected == (0, 5)
+    assert e.instance == "inst" and r.in_flight() == 0
+
+
+def test_two_rank_slices_join_in_rank_order_whatever_the_arrival_order():
+    r = Reassembler()
+    feed(r, begin())
+    half = V // 2
+    ev = feed(r, data(0, [0, 1], rank=1, expected=2, s=(half, V)))
+    assert delivered(ev) == []  # half a tensor is never delivered
+    ev = feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, half)))
+    (tok,) = [e for e in ev if isinstance(e, Tokens)]
+    assert tok.tensors["logits"].shape == (2, V)
+    assert tok.tensors["logits"].tobytes() == vals("logits", [0, 1], 0, V).tobytes()
+
+
+def test_missing_rank_slice_makes_positions_missing_never_a_wrong_concat():
+    r = Reassembler()
+    feed(r, begin())
+    half = V // 2
+    # Step 0: only rank 0's slice arrives. Step 1: both. Rank 1 has moved past step 0, so step 0 is lost.
+    ev = feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, half)),
+              data(1, [2], rank=0, expected=2, s=(0, half)), data(1, [2], rank=1, expected=2, s=(half, V)))
+    assert gaps(ev) == [([0, 1], INCOMPLETE)]
+    assert delivered(ev) == [2]
+    ev = feed(r, end(3))
+    assert the_end(ev).missing_positions == [0, 1]
+
+
+def test_overlapping_slices_are_missing_not_concatenated():
+    r = Reassembler()
+    feed(r, begin())
+    ev = feed(r, data(0, [0], rank=0, expected=2, s=(0, V // 2)), data(0, [0], rank=1, expected=2, s=(0, V // 2)))
+    assert delivered(ev) == [] and gaps(ev) == [([0], INCOMPLETE)]
+
+
+def test_pipeline_stages_join_per_token():
+    r = Reassembler()
+    feed(r, begin(spec=CaptureSpec(layers=(0, 1, 2, 3))))
+    hid = [TensorId(rf.TensorKind.HIDDEN, l) for l in range(4)]
+    ev = []
+    for step, pos in ((0, [0, 1, 2]), (1, [3])):
+        part = feed(r, data(step, pos, tensor=hid[0], rank=0, expected=2, parts=2),
+                    data(step, pos, tensor=hid[1], rank=0, expected=2, parts=2),
+                    data(step, pos, tensor=hid[2], rank=1, expected=2, parts=3))
+        assert not delivered(part)  # rank 1 still owes layer 3 and the logits
+        ev += feed(r, data(step, pos, tensor=hid[3], rank=1, expected=2, parts=3),
+                   data(step, pos, rank=1, expected=2, parts=3))
+    toks = [e for e in ev if isinstance(e, Tokens)]
+    assert [list(t.positions) for t in toks] == [[0, 1, 2], [3]]
+    assert sorted(toks[0].tensors) == ["hidden.0", "hidden.1", "hidden.2", "hidden.3", "logits"]
+    assert toks[0].tensors["hidden.2"].tobytes() == vals("hidden.2", [0, 1, 2], 0, H).tobytes()
+
+
+def test_out_of_order_completion_is_delivered_in_position_order():
+    r = Reassembler()
+    feed(r, begin())
+    # Step 0 needs both ranks; step 1 only rank 0 (say, top-k written whole by one rank).
+    ev = feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, 4)))
+    ev += feed(r, data(1, [2], rank=0, expected=1))
+    assert delivered(ev) == [] and gaps(ev) == []  # position 2 is complete but waits for 0-1
+    ev += feed(r, data(0, [0, 1], rank=1, expected=2, s=(4, 8)))
+    assert delivered(ev) == [0, 1, 2]
+    assert [list(e.positions) for e in ev if isinstance(e, Tokens)] == [[0, 1], [2]]
+
+
+def test_a_group_no_rank_can_complete_any_more_is_missing_at_once():
+    r = Reassembler()
+    feed(r, begin())
+    # Rank 1's step-0 record never arrives but its step-1 record does: rings are FIFO, so step 0
+    # can no longer complete (its record was dropped, or consumed by a previous daemon).
+    ev = feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, 4)), data(1, [2], rank=0, expected=2, s=(0, 4)),
+              data(1, [2], rank=1, expected=2, s=(4, 8)))
+    assert gaps(ev) == [([0, 1], INCOMPLETE)] and delivered(ev) == [2]
+    assert feed(r, data(0, [0, 1], rank=1, expected=2, s=(4, 8))) == []  # too late: ignored
+
+
+def test_recomputed_positions_are_delivered_once():
+    r = Reassembler()
+    feed(r, begin())
+    ev = feed(r, data(0, [0, 1, 2, 3]), data(1, [4]))
+    # Preempted and recomputed from scratch: positions 0..5 again in a later step.
+    rec = data(2, [0, 1, 2, 3, 4, 5])
+    ev += feed(r, rec)
+    assert delivered(ev) == [0, 1, 2, 3, 4, 5]
+    last = [e for e in ev if isinstance(e, Tokens)][-1]
+    assert list(last.positions) == [5] and np.shares_memory(last.tensors["logits"], rec.data)
+    ev += feed(r, data(3, [0, 1, 2]))  # a pure duplicate changes nothing
+    assert delivered(ev) == [0, 1, 2, 3, 4, 5]
+    assert r.stats["duplicate_records"] == 1
+
+
+def test_drop_is_a_gap_at_once_and_late_slices_of_it_are_ignored():
+    r = Reassembler()
+    feed(r, begin())
+    ev = feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, 4)),
+              data(0, [0, 1], rank=1, expected=2, s=(4, 8)))
+    ev += feed(r, drop([2, 3], rank=1))  # rank 1 had no room for step 1
+    assert gaps(ev) == [([2, 3], DROPPED)]
+    ev += feed(r, data(1, [2, 3], rank=0, expected=2, s=(0, 4)))  # rank 0's half of the dropped step
+    ev += feed(r, data(2, [4], rank=0, expected=2, s=(0, 4)), data(2, [4], rank=1, expected=2, s=(4, 8)), end(5))
+    assert delivered(ev) == [0, 1, 4]
+    assert the_end(ev).missing_positions == [2, 3]
+
+
+def test_positions_never_written_become_a_gap_once_later_ones_complete():
+    r = Reassembler()
+    feed(r, begin())
+    ev = feed(r, data(0, [3, 4]))  # e.g. a cached prefix was not recomputed
+    assert gaps(ev) == [([0, 1, 2], NOT_CAPTURED)] and delivered(ev) == [3, 4]
+
+
+def test_end_before_last_data_waits_then_completes():
+    r = Reassembler(end_grace_s=5.0)
+    feed(r, begin())
+    ev = feed(r, data(0, [0, 1, 2, 3]), end(5), now=1.0)
+    assert not [e for e in ev if isinstance(e, End)]
+    assert r.tick(3.0) == []
+    ev = feed(r, data(1, [4]), now=3.5)
+    assert delivered(ev) == [4] and the_end(ev).missing_positions == []
+
+
+def test_end_grace_expiry_declares_the_rest_missing():
+    r = Reassembler(end_grace_s=2.0)
+    feed(r, begin())
+    ev = feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, 4)), data(1, [2, 3], rank=0, expected=2, s=(0, 4)), now=0.0)
+    ev += feed(r, end(6), now=1.0)
+    assert r.tick(2.9) == []
+    ev = r.tick(3.0)
+    assert gaps(ev) == [([0, 1], TIMEOUT), ([2, 3], TIMEOUT), ([4, 5], TIMEOUT)]
+    e = the_end(ev)
+    assert e.reason == "stop" and e.missing_positions == [0, 1, 2, 3, 4, 5] and e.delivered == 0
+    assert feed(r, data(2, [0, 1], rank=1, expected=2, s=(4, 8))) == []  # stragglers after the end are ignored
+    assert r.stats["late_records"] == 1
+
+
+def test_dead_worker_makes_pending_groups_missing_after_grace():
+    r = Reassembler(end_grace_s=1.0)
+    feed(r, begin())
+    feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, 4), source="rank-00000.ring"),
+         data(0, [0, 1], rank=1, expected=2, s=(4, 8), source="rank-00001.ring"))
+    feed(r, data(1, [2], rank=0, expected=2, s=(0, 4), source="rank-00000.ring"))
+    r.writer_gone("rank-00001.ring", 10.0)
+    assert r.tick(10.5) == []
+    ev = r.tick(11.0)
+    assert gaps(ev) == [([2], WRITER_GONE)]
+    assert r.in_flight() == 1  # the engine is alive: it will END the request
+    ev = feed(r, end(3), now=11.5)
+    e = the_end(ev)
+    assert e.missing_positions == [2] and e.delivered == 2
+
+
+def test_dead_engine_ends_requests():
+    r = Reassembler(end_grace_s=1.0)
+    feed(r, begin(), data(0, [0, 1]))
+    r.writer_gone("engine.ring", 5.0)
+    ev = r.tick(6.0)
+    e = the_end(ev)
+    assert e.reason == WRITER_GONE and e.delivered == 2 and e.missing_positions == []
+
+
+def test_data_before_begin_makes_a_lazy_request_then_the_begin_fills_it_in():
+    r = Reassembler()
+    ev = feed(r, data(0, [0, 1]))
+    assert isinstance(ev[0], Begin) and ev[0].lazy and ev[0].spec is None
+    assert delivered(ev) == [0, 1]
+    ev = feed(r, begin())
+    assert len(ev) == 1 and ev[0].update and ev[0].spec is not None and ev[0].prompt_token_ids == [0, 1, 2, 3]
+    ev = feed(r, data(1, [2]), end(3))
+    assert delivered(ev) == [2] and the_end(ev).missing_positions == []
+
+
+def test_no_begin_at_all_capture_starts_at_the_first_position_seen():
+    r = Reassembler()
+    ev = feed(r, data(7, [10, 11]), data(8, [12]), end(13))
+    assert delivered(ev) == [10, 11, 12]
+    e = the_end(ev)
+    assert e.expected == (10, 13) and e.missing_positions == []
+
+
+def test_instances_are_independent():
+    a, b = Reassembler("a"), Reassembler("b")
+    ea = feed(a, begin(), data(0, [0]))
+    eb = feed(b, begin(), data(0, [0, 1]))
+    assert [e.key for e in ea] == [("a", RID)] * 2 and [e.key for e in eb] == [("b", RID)] * 2
+
+
+def test_end_before_any_data_of_a_lazy_request_starts_where_the_data_does():
+    # A restarted daemon reads the engine ring first: the END of a request whose BEGIN (and first
+    # positions) the previous daemon consumed comes before the rest of its data.
+    r = Reassembler()
+    ev = feed(r, end(13))
+    assert isinstance(ev[0], Begin) and ev[0].lazy and not [e for e in ev if isinstance(e, End)]
+    ev = feed(r, data(7, [11, 12]))
+    assert delivered(ev) == [11, 12] and gaps(ev) == []
+    e = the_end(ev)
+    assert e.expected == (11, 13) and e.missing_positions == []
+
+
+def test_last_output_holds_positions_until_the_end_names_the_last():
+    from vllm_tap.spec import PositionsMode
+
+    r = Reassembler()
+    ev = feed(r, begin(spec=CaptureSpec(positions=PositionsMode.LAST_OUTPUT)))
+    assert ev[0].start_position is None
+    # Workers write every output position (the last is unknown while the request runs).
+    ev = feed(r, data(0, [3]), data(1, [4]), data(2, [5]))
+    assert delivered(ev) == []
+    ev = feed(r, end(6))
+    assert delivered(ev) == [5]
+    e = the_end(ev)
+    assert e.expected == (5, 6) and e.missing_positions == []

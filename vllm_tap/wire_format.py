@@ -1,0 +1,234 @@
+"""The ZeroMQ protocol between the daemon and subscribers: the one place its constants live.
+
+Every message is multipart. Frame 0 is a msgpack map, the header; any further frames are raw
+tensor buffers, described in order by the header's "tensors" list as [name, dtype, rows, cols], so
+arrays travel without being packed into (or copied out of) the header. Subscribers talk to the
+daemon's ROUTER socket from a DEALER socket. Every message carries the subscription id ("id") the
+client chose, so one socket may carry several subscriptions.
+
+Client -> daemon:
+  subscribe {id, name, index?, instance?, from_position?, timeout}
+  status    {id}
+  cancel    {id}
+Daemon -> client:
+  begin  {id, request_id, instance, names, response_id, choice_index, num_prompt_tokens, ...}
+  tokens {id, request_id, start, count, token_ids (int32 bytes), num_prompt_tokens, tensors} + buffers
+  gap    {id, request_id, start, stop, reason}            positions [start, stop) are missing
+  end    {id, request_id, reason, missing [[start, stop], ...], output_token_ids, ...}
+  error  {id, code, message}                              ends the subscription
+  status {id, status}
+
+Any change a peer of the previous version would misread must bump WIRE_VERSION; both sides
+answer a message of another version with an error instead of guessing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import msgpack
+import numpy as np
+
+from vllm_tap import ring_format as rf
+
+WIRE_VERSION = 1
+
+# Header keys every message has.
+K_VERSION = "v"
+K_TYPE = "type"
+K_ID = "id"
+
+# Client -> daemon.
+SUBSCRIBE = "subscribe"
+STATUS = "status"
+CANCEL = "cancel"
+REQUEST_TYPES = (SUBSCRIBE, STATUS, CANCEL)
+
+# Daemon -> client (STATUS doubles as the reply type).
+BEGIN = "begin"
+TOKENS = "tokens"
+GAP = "gap"
+END = "end"
+ERROR = "error"
+REPLY_TYPES = (BEGIN, TOKENS, GAP, END, ERROR, STATUS)
+
+# Error codes (the "code" of an error message); every error ends the subscription it names.
+E_BAD_REQUEST = "bad_request"  # not a message this version understands
+E_VERSION = "version"  # another wire version
+E_NOT_FOUND = "not_found"  # no capture by that name appeared within the timeout
+E_AMBIGUOUS = "ambiguous"  # the name matches several captures: pass index= or instance=
+E_EVICTED = "evicted"  # the capture ended and was dropped from memory (retain_bytes / retain_ttl_s)
+E_TOO_SLOW = "too_slow"  # the subscriber fell more than subscriber_queue messages behind
+E_STOPPING = "stopping"  # the daemon is stopping; message is its reason
+E_INTERNAL = "internal"
+
+# Limits on what a client may send, so a hostile or broken peer costs little.
+MAX_REQUEST_BYTES = 64 << 10
+MAX_NAME_CHARS = 1024
+MAX_TIMEOUT_S = 24 * 3600.0
+
+
+class WireError(ValueError):
+    """A message that cannot be accepted; `code` is one of the E_* codes."""
+
+    def __init__(self, code: str, message: str, sub_id: int | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.sub_id = sub_id
+
+
+def pack(msg_type: str, sub_id: int | None, **fields: Any) -> bytes:
+    fields[K_VERSION] = WIRE_VERSION
+    fields[K_TYPE] = msg_type
+    fields[K_ID] = sub_id
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def unpack_header(frame: bytes | memoryview, max_bytes: int | None = None) -> dict[str, Any]:
+    """The header map of a message; WireError when it is not one of this version."""
+    if max_bytes is not None and len(frame) > max_bytes:
+        raise WireError(E_BAD_REQUEST, f"header of {len(frame)} bytes exceeds the limit of {max_bytes}")
+    try:
+        header = msgpack.unpackb(frame, raw=False)
+    except Exception as e:  # msgpack raises several unrelated types for garbage
+        raise WireError(E_BAD_REQUEST, f"header is not valid msgpack ({type(e).__name__})") from None
+    if not isinstance(header, dict):
+        raise WireError(E_BAD_REQUEST, f"header must be a msgpack map, got {type(header).__name__}")
+    sub_id = header.get(K_ID)
+    if not (sub_id is None or (isinstance(sub_id, int) and not isinstance(sub_id, bool))):
+        raise WireError(E_BAD_REQUEST, f"'{K_ID}' must be an integer, got {sub_id!r}")
+    version = header.get(K_VERSION)
+    if version != WIRE_VERSION:
+        raise WireError(
+            E_VERSION, f"wire version {version!r} not supported; this side speaks version {WIRE_VERSION}", sub_id
+        )
+    if not isinstance(header.get(K_TYPE), str):
+        raise WireError(E_BAD_REQUEST, f"'{K_TYPE}' must be a string", sub_id)
+    return header
+
+
+# -- requests --
+
+
+@dataclass(frozen=True)
+class Subscribe:
+    id: int
+    name: str
+    index: int | None = None  # choice index, for a name shared by several captures
+    instance: str | None = None  # engine instance, for request ids that repeat across instances
+    from_position: int | None = None  # resume: positions below this are not sent again
+    timeout: float = 30.0  # how long the daemon waits for the name to appear
+
+    def frames(self) -> list[bytes]:
+        return [pack(SUBSCRIBE, self.id, name=self.name, index=self.index, instance=self.instance,
+                     from_position=self.from_position, timeout=self.timeout)]
+
+
+@dataclass(frozen=True)
+class StatusRequest:
+    id: int
+
+    def frames(self) -> list[bytes]:
+        return [pack(STATUS, self.id)]
+
+
+@dataclass(frozen=True)
+class Cancel:
+    id: int
+
+    def frames(self) -> list[bytes]:
+        return [pack(CANCEL, self.id)]
+
+
+Request = Subscribe | StatusRequest | Cancel
+
+
+def _opt_int(h: dict, key: str, sub_id: int | None) -> int | None:
+    v = h.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise WireError(E_BAD_REQUEST, f"'{key}' must be a non-negative integer or nil, got {v!r}", sub_id)
+    return v
+
+
+def parse_request(frames: Sequence[bytes]) -> Request:
+    """Validate a client's message; WireError (with the id when it could be read) if it is bad."""
+    if len(frames) != 1:
+        raise WireError(E_BAD_REQUEST, f"a request is exactly one frame, got {len(frames)}")
+    h = unpack_header(frames[0], MAX_REQUEST_BYTES)
+    sub_id = h.get(K_ID)
+    t = h[K_TYPE]
+    if t not in REQUEST_TYPES:
+        raise WireError(E_BAD_REQUEST, f"unknown message type {t!r}; expected one of {', '.join(REQUEST_TYPES)}", sub_id)
+    sid = 0 if sub_id is None else sub_id
+    if t == STATUS:
+        return StatusRequest(sid)
+    if t == CANCEL:
+        return Cancel(sid)
+    name = h.get("name")
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
+        raise WireError(E_BAD_REQUEST, f"'name' must be a non-empty string of at most {MAX_NAME_CHARS} characters", sub_id)
+    instance = h.get("instance")
+    if instance is not None and not isinstance(instance, str):
+        raise WireError(E_BAD_REQUEST, f"'instance' must be a string or nil, got {instance!r}", sub_id)
+    timeout = h.get("timeout", 30.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= MAX_TIMEOUT_S:
+        raise WireError(E_BAD_REQUEST, f"'timeout' must be seconds in 0..{MAX_TIMEOUT_S:g}, got {timeout!r}", sub_id)
+    return Subscribe(sid, name, _opt_int(h, "index", sub_id), instance, _opt_int(h, "from_position", sub_id), float(timeout))
+
+
+def error_frames(code: str, message: str, sub_id: int | None = None) -> list[bytes]:
+    return [pack(ERROR, sub_id, code=code, message=message)]
+
+
+# -- tensors --
+
+
+def describe_tensors(tensors: dict[str, np.ndarray], dtypes: dict[str, int]) -> tuple[list[list], list[np.ndarray]]:
+    """Header descriptors and the buffers to send as frames (C-contiguous, never copied here)."""
+    descs: list[list] = []
+    bufs: list[np.ndarray] = []
+    for name, arr in tensors.items():
+        if arr.ndim != 2 or not arr.flags.c_contiguous:
+            raise ValueError(f"tensor {name} must be a C-contiguous 2-D array")
+        descs.append([name, rf.DTYPE_NAMES[dtypes[name]], arr.shape[0], arr.shape[1]])  # type: ignore[index]
+        bufs.append(arr)
+    return descs, bufs
+
+
+def read_tensors(descs: Iterable[Sequence], frames: Sequence[Any]) -> dict[str, tuple[rf.DType, np.ndarray]]:
+    """(dtype code, array in storage dtype) per name; arrays view the frames' memory."""
+    descs = list(descs)
+    if len(descs) != len(frames):
+        raise WireError(E_BAD_REQUEST, f"{len(descs)} tensors described but {len(frames)} buffers sent")
+    out: dict[str, tuple[rf.DType, np.ndarray]] = {}
+    for desc, frame in zip(descs, frames):
+        try:
+            name, dtype_name, rows, cols = desc
+            code = rf.DTYPE_BY_NAME[dtype_name]
+        except (KeyError, TypeError, ValueError):
+            raise WireError(E_BAD_REQUEST, f"bad tensor descriptor {desc!r}") from None
+        buf = frame.buffer if hasattr(frame, "buffer") else frame
+        dt = rf.storage_dtype(code)
+        if len(memoryview(buf).cast("B")) != rows * cols * dt.itemsize:
+            raise WireError(E_BAD_REQUEST, f"tensor {name}: buffer size does not match [{rows}, {cols}] {dtype_name}")
+        out[name] = (code, np.frombuffer(buf, dt).reshape(rows, cols))
+    return out
+
+
+def ranges_of(positions: Iterable[int]) -> list[list[int]]:
+    """Sorted positions as [start, stop) runs: missing-position lists stay small on the wire."""
+    out: list[list[int]] = []
+    for p in sorted(set(positions)):
+        if out and out[-1][1] == p:
+            out[-1][1] = p + 1
+        else:
+            out.append([p, p + 1])
+    return out
+
+
+def expand_ranges(ranges: Iterable[Sequence[int]]) -> list[int]:
+    return [p for a, b in ranges for p in range(a, b)]
