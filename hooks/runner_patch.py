@@ -26,20 +26,25 @@ def _after_load(runner) -> None:
         return
     if runner.vllm_config.speculative_config is not None:
         raise TapConfigError("vllm-tap: speculative decoding is not supported with the tap enabled")
+    from vllm_tap.hooks.step_capture import StepCapture
+
+    tap = StepCapture(runner, cfg)
     if cfg.layers:
         from vllm.model_executor.models.interfaces import supports_eagle3
 
         model = runner.get_model()
         if not supports_eagle3(model):
+            tap.close()
             raise TapConfigError(
                 f"vllm-tap: {type(model).__name__} has no auxiliary hidden-state outputs (the EAGLE-3 "
                 "interface), so its hidden states cannot be captured; set \"layers\": \"none\" for logits only"
             )
-        model.set_aux_hidden_state_layers(tuple(cfg.layers))
-        runner.use_aux_hidden_state_outputs = True
-    from vllm_tap.hooks.step_capture import StepCapture
-
-    runner._vllm_tap = StepCapture(runner, cfg)
+        # Each pipeline stage emits only the layers it computes. The runner unpacks aux outputs on
+        # every stage once the flag is set, so only the last stage sets it; earlier stages return
+        # theirs inside IntermediateTensors, where execute_model below takes them out.
+        model.set_aux_hidden_state_layers(tap.layers)
+        runner.use_aux_hidden_state_outputs = tap.is_last_stage and bool(tap.layers)
+    runner._vllm_tap = tap
 
 
 def _wrap_load(cls) -> None:
@@ -67,6 +72,28 @@ def patch_gpu_module(module) -> None:
         return orig_sample(self, grammar_output)
 
     cls.sample_tokens = sample_tokens
+
+    orig_execute = cls.execute_model
+
+    @functools.wraps(orig_execute)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        out = orig_execute(self, scheduler_output, *args, **kwargs)
+        tap = getattr(self, "_vllm_tap", None)
+        if tap is not None and not tap.is_last_stage and hasattr(out, "tensors"):
+            _capture_stage(self, tap, scheduler_output, out)
+        return out
+
+    cls.execute_model = execute_model
+
+
+def _capture_stage(runner, tap, scheduler_output, out) -> None:
+    """A non-last pipeline stage: capture its layers and keep them off the pipeline link."""
+    from vllm_tap.hooks.step_capture import StageOutput
+
+    prefix = getattr(runner.get_model(), "AUX_HIDDEN_STATE_KEY", "aux_hidden_states_")
+    keys = sorted((k for k in out.tensors if k.startswith(prefix)), key=lambda k: int(k[len(prefix):]))
+    aux = [out.tensors.pop(k) for k in keys]
+    tap.capture(runner, StageOutput(scheduler_output, aux))
 
 
 def patch_cpu_module(module) -> None:

@@ -38,6 +38,25 @@ def shard(dim: int, rank: int, size: int) -> tuple[int, int]:
     return min(rank * per, dim), min((rank + 1) * per, dim)
 
 
+def stage_layers(layers: tuple[int, ...], num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, ...]:
+    """The captured layers a pipeline stage computes: 0 (embeddings) on the first stage, and
+    layer i (output of decoder layer i) on the stage that runs decoder layer i."""
+    from vllm.distributed.utils import get_pp_indices
+
+    start, end = get_pp_indices(num_layers, pp_rank, pp_size)
+    return tuple(x for x in layers if start < x <= end or (x == 0 and pp_rank == 0))
+
+
+@dataclass
+class StageOutput:
+    """What a non-last pipeline stage has to capture from: its own layers' aux outputs only."""
+
+    scheduler_output: object
+    aux_hidden_states: list
+    logits: None = None
+    hidden_states: None = None
+
+
 @dataclass
 class _Plan:
     """What one request contributes in one step."""
@@ -61,7 +80,13 @@ class StepCapture:
         tp, pp = ps.get_tp_group(), ps.get_pp_group()
         self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
         self.rank = pp.rank_in_group * self.tp_size + self.tp_rank
-        self.aux_index = {layer: i for i, layer in enumerate(sorted(cfg.layers))}
+        self.is_last_stage = pp.is_last_rank
+        n_layers = vc.model_config.hf_text_config.num_hidden_layers
+        # Under pipeline parallelism each stage writes the layers it computes, the last also logits.
+        self.stage_layers = [stage_layers(cfg.layers, n_layers, s, pp.world_size) for s in range(pp.world_size)]
+        self.layers = self.stage_layers[pp.rank_in_group]
+        self.aux_index = {layer: i for i, layer in enumerate(self.layers)}
+        self._contributors: dict[CaptureSpec, int] = {}
         path = ring_path(cfg.shm_dir, instance_name(cfg, vc), self.rank)
         self.writer = RingWriter(
             path, cfg.ring_bytes, rank=self.rank, world_size=self.tp_size * pp.world_size,
@@ -108,7 +133,7 @@ class StepCapture:
             row_lo, row_hi = r0 + lo - c, r0 + hi - c
             sampled = row_hi == r1
             plan = _Plan(i, rid, spec, lo, row_lo, row_hi, p, sampled, extra_n)
-            if spec.logits != LogitsMode.NONE:
+            if spec.logits != LogitsMode.NONE and self.is_last_stage:
                 # Rows other than the sampled one have no logits yet: one extra lm-head pass.
                 k = row_hi - row_lo - int(sampled)
                 if k:
@@ -155,7 +180,7 @@ class StepCapture:
         """(tensor id, source rows [n, full_dim], whether to shard across tp ranks)."""
         spec = plan.spec
         out: list[tuple[TensorId, torch.Tensor, bool]] = []
-        if spec.logits != LogitsMode.NONE:
+        if spec.logits != LogitsMode.NONE and self.is_last_stage:
             logits = self._logit_rows(plan, state, extra)
             if spec.logits == LogitsMode.FULL:
                 out.append((TensorId(rf.TensorKind.LOGITS), logits, True))
@@ -169,6 +194,8 @@ class StepCapture:
                     out.append((TensorId(rf.TensorKind.CHOSEN), logits[:, self._indices_tensor(spec.indices)], False))
         aux = state.aux_hidden_states
         for layer in spec.layers:
+            if layer not in self.aux_index:
+                continue  # another pipeline stage computes it
             src = aux[self.aux_index[layer]][plan.row_lo : plan.row_hi]
             out.append((TensorId(rf.TensorKind.HIDDEN, layer), src, True))
         return out
@@ -177,8 +204,7 @@ class StepCapture:
         tensors = self._tensors(plan, state, extra)
         if not tensors:
             return
-        # Ranks other than 0 write only sharded tensors; if there are none, rank 0 writes alone.
-        expected = self.tp_size if any(sharded for _, _, sharded in tensors) else 1
+        expected = self.contributors(plan.spec)
         positions = np.arange(plan.first, plan.first + plan.row_hi - plan.row_lo, dtype=np.int32)
         for tid, src, sharded in tensors:
             if plan.spec.dtype == DTypeMode.FLOAT32 and src.is_floating_point() and src.dtype != torch.float32:
@@ -192,6 +218,23 @@ class StepCapture:
             )
             if res is not None:
                 self.publisher.copy(res, src[:, s0:s1], token_ids)
+
+    def contributors(self, spec: CaptureSpec) -> int:
+        """How many ranks write records for one of this request's steps (the same on every rank).
+
+        A stage whose part is sharded (full logits, hidden states) has all its tp ranks write;
+        a stage with only whole small tensors (top-k, chosen indices) has just its rank 0.
+        """
+        n = self._contributors.get(spec)
+        if n is None:
+            n = 0
+            last = len(self.stage_layers) - 1
+            for s, layers in enumerate(self.stage_layers):
+                sharded = any(x in layers for x in spec.layers) or (s == last and spec.logits == LogitsMode.FULL)
+                whole = s == last and spec.logits in (LogitsMode.TOPK, LogitsMode.INDICES)
+                n += self.tp_size if sharded else int(whole)
+            self._contributors[spec] = n
+        return n
 
     def close(self) -> None:
         self.publisher.close()
