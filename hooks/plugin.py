@@ -23,9 +23,10 @@ _done: set[str] = set()
 
 
 def _patch_targets() -> dict[str, Callable]:
-    from vllm_tap.hooks import engine_events, runner_patch, validation
+    from vllm_tap.hooks import engine_events, runner_patch, startup, validation
 
     return {
+        "vllm.engine.arg_utils": startup.patch_module,
         "vllm.v1.engine.input_processor": validation.patch_module,
         "vllm.v1.core.sched.scheduler": engine_events.patch_module,
         "vllm.v1.worker.gpu_model_runner": runner_patch.patch_gpu_module,

@@ -236,5 +236,9 @@ def test_bad_server_setting_stops_startup_with_one_line_reason():
         with pytest.raises(RuntimeError, match=r"vllm_tap.layers: layer 99 out of range 0..4"):
             server.start(timeout=300)
         assert server.proc.returncode != 0
+        with open(log) as f:
+            lines = f.read().splitlines()
+        # One line with the reason, no traceback.
+        assert lines[-1].startswith("error: vllm-tap: vllm_tap.layers: layer 99") and "Traceback" not in "".join(lines)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
