@@ -192,6 +192,8 @@ class SyntheticEngine:
     step: int = 0
     dropped: int = 0
     write_times: list[float] = field(default_factory=list)
+    # request id -> positions whose records some rank had to drop (what the daemon must report)
+    dropped_positions: dict[str, set[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         sc = self.sc
@@ -248,6 +250,8 @@ class SyntheticEngine:
                 )
                 self.write_times.append(time.perf_counter() - t)
                 self.dropped += not ok
+                if not ok:
+                    self.dropped_positions.setdefault(sc.request_id(i), set()).update(pos.tolist())
 
     def end(self, i: int) -> None:
         sc = self.sc

@@ -143,7 +143,6 @@ def test_overflow_drops_are_counted_reported_and_do_not_slow_the_writer(shm_dir)
     assert _median_us(dropped_at_full) < 5 * _median_us(empty) + 50
     stats = w.stats()
     assert stats["records_dropped"] == 200 - n_ok and stats["control_backlog"] > 0
-    assert w.dropped_positions["req"] == set(range(n_ok, 200))
     # Once the reader frees room the queued DROP records go out, with the exact positions.
     reported: set[int] = set()
     deadline = time.monotonic() + 5

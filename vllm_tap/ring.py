@@ -154,7 +154,6 @@ class RingWriter:
         self._lock = threading.Lock()
         # Control records (BEGIN/END/DROP) wait here when the ring is full, in order.
         self._backlog: collections.deque[tuple[rf.RecordKind, str, str, dict[str, Any]]] = collections.deque()
-        self.dropped_positions: dict[str, set[int]] = collections.defaultdict(set)
 
     # The whole mapping, for frameworks that want to view the ring as one host tensor.
     @property
@@ -299,8 +298,6 @@ class RingWriter:
             if got is None:
                 self._bump("records_dropped")
                 self._bump("bytes_dropped", total)
-                missing = self.dropped_positions[request_id]
-                missing.update(pos.tolist())
                 self._backlog.append(
                     (rf.RecordKind.DROP, request_id, tap_key,
                      {"tensor": int(tensor.kind), "layer": tensor.layer, "positions": pos.tolist()})
