@@ -55,6 +55,12 @@ def hf_forward(path: str, token_ids: list[int]) -> tuple[np.ndarray, dict[int, n
     return out.logits[0].numpy(), hidden
 
 
+def shutdown_llm(llm) -> None:
+    """Stop an offline engine now rather than at interpreter exit, where vLLM's shutdown logging
+    would write into streams pytest has already closed."""
+    llm.llm_engine.engine_core.shutdown()
+
+
 def vllm_logprob_rows(logprobs, vocab: int) -> np.ndarray:
     """vLLM's per-token {token_id: Logprob} dicts (full vocabulary) as a dense [T, V] array."""
     rows = np.full((len(logprobs), vocab), np.nan, dtype=np.float64)

@@ -16,7 +16,7 @@ import uuid
 import numpy as np
 import pytest
 
-from reference import hf_forward, tiny_model, vllm_logprob_rows
+from reference import hf_forward, shutdown_llm, tiny_model, vllm_logprob_rows
 from vllm_tap.ring import RingReader
 from vllm_tap.ring_format import RecordKind
 from vllm_tap.tiny_model import TinyLlamaSpec, prompt_text
@@ -78,6 +78,7 @@ def engine():
         additional_config={"vllm_tap": {"shm_dir": shm, "instance": "offline", "ring_bytes": 32 << 20}},
     )
     yield llm, Captures(shm, "offline")
+    shutdown_llm(llm)
     shutil.rmtree(shm, ignore_errors=True)
 
 

@@ -16,7 +16,7 @@ import tempfile
 
 import numpy as np
 
-from reference import hf_forward, tiny_model
+from reference import hf_forward, shutdown_llm, tiny_model
 from vllm_tap.daemon.reassembly import End, Reassembler, Tokens
 from vllm_tap.ring import RingReader
 from vllm_tap.ring_format import RecordKind
@@ -40,6 +40,7 @@ def test_recomputed_positions_are_delivered_once_and_right():
         params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True, extra_args={"tap": 1})
         outs = llm.generate([prompt_text(p) for p in prompts], params)
         control, data = [], []
+        shutdown_llm(llm)
         for path in sorted(glob.glob(os.path.join(shm, "pre", "*.ring"))):
             for rec in RingReader(path).poll():
                 (data if rec.kind == RecordKind.DATA else control).append(rec)
