@@ -11,25 +11,14 @@ import zmq.asyncio
 from vllm_tap import wire_format as wf
 
 from vllm_tap.client.errors import DaemonUnavailable
-from vllm_tap.client.records import Capture, CaptureBegin, CaptureBuilder, CaptureEnd, Chunk, Gap, Item
-from vllm_tap.client.stream import HEARTBEAT_S, StreamState, resolve_endpoint
+from vllm_tap.client.records import Capture, CaptureBuilder, Chunk, Gap, Item
+from vllm_tap.client.stream import HEARTBEAT_S, StreamState, SubscriptionView, resolve_endpoint
 from vllm_tap.client.sync import RCVHWM, parse_status
 
 
-class AsyncSubscription:
+class AsyncSubscription(SubscriptionView):
     """`async for item in sub` yields TokenRecord and Gap items; `.end` is set once it finished."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, state: StreamState):
-        self._ctx = ctx
-        self._state = state
-
-    @property
-    def begin(self) -> CaptureBegin | None:
-        return self._state.begin
-
-    @property
-    def end(self) -> CaptureEnd | None:
-        return self._state.end
 
     async def __aiter__(self) -> AsyncIterator[Item]:
         async for item in self.chunks():

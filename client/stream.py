@@ -178,3 +178,24 @@ class StreamState:
 
 def _bytes(frame: Any) -> bytes | memoryview:
     return frame.buffer if hasattr(frame, "buffer") else frame
+
+
+class SubscriptionView:
+    """What the blocking and asyncio subscriptions share: the stream's state, read-only."""
+
+    def __init__(self, ctx, state: StreamState):
+        self._ctx = ctx
+        self._state = state
+
+    @property
+    def begin(self):
+        return self._state.begin
+
+    @property
+    def end(self):
+        return self._state.end
+
+    @property
+    def missing_positions(self) -> list[int]:
+        """Missing so far (complete only after the end)."""
+        return self._state.end.missing_positions if self._state.end else list(self._state.lost)

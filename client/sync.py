@@ -10,13 +10,13 @@ import zmq
 from vllm_tap import wire_format as wf
 
 from vllm_tap.client.errors import DaemonUnavailable, ProtocolError, error_for
-from vllm_tap.client.records import Capture, CaptureBegin, CaptureBuilder, CaptureEnd, Chunk, Gap, Item
-from vllm_tap.client.stream import HEARTBEAT_S, StreamState, resolve_endpoint
+from vllm_tap.client.records import Capture, CaptureBuilder, Chunk, Gap, Item
+from vllm_tap.client.stream import HEARTBEAT_S, StreamState, SubscriptionView, resolve_endpoint
 
 RCVHWM = 256  # messages buffered from the daemon; beyond that the daemon waits (and may cut us off)
 
 
-class Subscription:
+class Subscription(SubscriptionView):
     """Iterate for TokenRecord and Gap items in position order; `.end` is set once it finished.
 
     Iterating `chunks()` instead yields the same data a message at a time (Chunk objects of
@@ -24,22 +24,8 @@ class Subscription:
     """
 
     def __init__(self, ctx: zmq.Context, state: StreamState):
-        self._ctx = ctx
-        self._state = state
+        super().__init__(ctx, state)
         self._sock: zmq.Socket | None = None
-
-    @property
-    def begin(self) -> CaptureBegin | None:
-        return self._state.begin
-
-    @property
-    def end(self) -> CaptureEnd | None:
-        return self._state.end
-
-    @property
-    def missing_positions(self) -> list[int]:
-        """Missing so far (complete only after the end)."""
-        return self._state.end.missing_positions if self._state.end else list(self._state.lost)
 
     def __iter__(self) -> Iterator[Item]:
         for item in self.chunks():

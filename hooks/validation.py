@@ -27,13 +27,8 @@ def patch_module(module) -> None:
     @functools.wraps(orig_init)
     def __init__(self, vllm_config, *args, **kwargs):
         orig_init(self, vllm_config, *args, **kwargs)
-        # Bad server settings stop start-up here, in the API process, with a one-line reason.
         self._vllm_tap = server_config(vllm_config)
         if self._vllm_tap is not None:
-            if vllm_config.speculative_config is not None:
-                from vllm_tap.hooks.settings import TapConfigError
-
-                raise TapConfigError("vllm-tap: speculative decoding is not supported with the tap enabled")
             log.info("vllm-tap enabled: layers %s, instance %r", list(self._vllm_tap.layers), self._vllm_tap.instance)
 
     @functools.wraps(orig_validate)

@@ -9,7 +9,7 @@ starts with `tap`; a request opts in by carrying any of them. Parsing is pure so
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from vllm_tap.ring import DEFAULT_SHM_DIR
