@@ -11,8 +11,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import uuid
