@@ -209,7 +209,13 @@ class Daemon:
                 continue
             sleep = interval if now - idle_since < IDLE_AFTER_S else max(interval, IDLE_SLEEP_S)
             # Waiting on the socket wakes us at once for a request; rings have no wake-up, so poll.
-            self._sock.poll(timeout=max(1, round(sleep * 1000)), flags=zmq.POLLIN)
+            # zmq's poll counts whole milliseconds: a shorter interval would round up to 1 ms, and
+            # that wait was the floor of the commit-to-subscriber latency. Below 1 ms, sleep the
+            # interval instead (a request then waits at most that long).
+            if sleep < 0.001:
+                time.sleep(sleep)
+            else:
+                self._sock.poll(timeout=round(sleep * 1000), flags=zmq.POLLIN)
 
     def _step(self, now: float) -> bool:
         if now - self._last_scan >= SCAN_INTERVAL_S:

@@ -26,30 +26,56 @@ class Publisher:
         self.writer = writer
         # The whole ring as one host tensor: reservations become views of it, never new buffers.
         self.ring = torch.frombuffer(writer.buffer, dtype=torch.uint8)
+        self._typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}  # the ring viewed as each dtype
         self._step: list[Reservation] = []
 
     def _view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        n = 1
-        for s in shape:
-            n *= s
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
-        return self.ring[offset : offset + nbytes].view(dtype).view(shape)
+        # One as_strided on a cached typed view of the whole ring: this runs for every captured
+        # tensor of every step, and a slice-then-view chain costs several times as much.
+        typed = self._typed.get(dtype)
+        if typed is None:
+            base = self.ring.view(dtype)
+            typed = self._typed[dtype] = (base, base.element_size())
+        base, size = typed
+        start, misaligned = divmod(offset, size)
+        if misaligned:
+            raise ValueError(f"ring offset {offset} is not aligned for {dtype}")
+        if len(shape) == 2:
+            strides: tuple[int, ...] = (shape[1], 1)
+        else:
+            acc, rev = 1, []
+            for s in reversed(shape):
+                rev.append(acc)
+                acc *= s
+            strides = tuple(reversed(rev))
+        return torch.as_strided(base, shape, strides, start)
 
-    def copy(self, res: Reservation, src: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Queue the copy of src [n, w] and its token ids into the reservation."""
-        dst = self._view(res.payload_offset, src.dtype, tuple(src.shape))
-        ids = self._view(res.token_ids_offset, torch.int32, (src.shape[0],))
-        self._copy(dst, src, ids, token_ids)
+    def copy(self, res: Reservation, src: torch.Tensor | list[torch.Tensor], token_ids: torch.Tensor | None) -> None:
+        """Queue the copy of src [n, w] (or of row blocks to stack, each [k, w]: copied one after
+        the other, never concatenated first) and of its token ids into the reservation
+        (token_ids=None: the writer already stored them, from the host)."""
+        if isinstance(src, list):
+            n = sum(p.shape[0] for p in src)
+            dst = self._view(res.payload_offset, src[0].dtype, (n, src[0].shape[1]))
+            at = 0
+            for part in src:
+                k = part.shape[0]
+                self._copy_into(dst[at : at + k], part)
+                at += k
+        else:
+            n = src.shape[0]
+            self._copy_into(self._view(res.payload_offset, src.dtype, tuple(src.shape)), src)
+        if token_ids is not None:
+            self._copy_into(self._view(res.token_ids_offset, torch.int32, (n,)), token_ids)
         self._step.append(res)
 
-    def _copy(self, dst, src, ids_dst, ids_src) -> None:
+    def _copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
-        ids_dst.copy_(ids_src)
 
     def end_step(self) -> None:
-        for res in self._step:
-            self.writer.commit(res)
-        self._step = []
+        if self._step:
+            self.writer.commit_many(self._step)
+            self._step = []
 
     def close(self) -> None:
         pass
@@ -67,9 +93,8 @@ class CudaPublisher(Publisher):
         self._thread = threading.Thread(target=self._run, name="vllm-tap-publisher", daemon=True)
         self._thread.start()
 
-    def _copy(self, dst, src, ids_dst, ids_src) -> None:
+    def _copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
-        ids_dst.copy_(ids_src, non_blocking=True)
 
     def end_step(self) -> None:
         if not self._step:
@@ -86,8 +111,7 @@ class CudaPublisher(Publisher):
                 return
             ev, reservations = item
             ev.synchronize()
-            for res in reservations:
-                self.writer.commit(res)
+            self.writer.commit_many(reservations)
 
     def close(self) -> None:
         self._q.put(None)

@@ -32,6 +32,17 @@ _STORAGE = {torch.float32: rf.DType.FLOAT32, torch.float16: rf.DType.FLOAT16,
             torch.bfloat16: rf.DType.BFLOAT16, torch.int32: rf.DType.INT32}
 
 
+_LOGITS_ID = TensorId(rf.TensorKind.LOGITS)
+_HIDDEN_IDS: dict[int, TensorId] = {}
+
+
+def _hidden_id(layer: int) -> TensorId:
+    tid = _HIDDEN_IDS.get(layer)
+    if tid is None:
+        tid = _HIDDEN_IDS[layer] = TensorId(rf.TensorKind.HIDDEN, layer)
+    return tid
+
+
 def shard(dim: int, rank: int, size: int) -> tuple[int, int]:
     """This rank's [start, stop) of a last dimension split as evenly as possible."""
     per = -(-dim // size)
@@ -156,18 +167,25 @@ class StepCapture:
             idx = torch.from_numpy(np.concatenate(extra_rows)).to(self.device, non_blocking=True)
             extra = runner.model.compute_logits(state.hidden_states[idx])
         token_src = runner.input_ids.gpu
+        if self.device.type == "cpu":
+            token_src = token_src.numpy()  # host ids: sliced per request as numpy, stored by the writer
         for plan in plans:
             self._write_plan(plan, state, extra, token_src[plan.row_lo : plan.row_hi])
         self.publisher.end_step()
         self.writer.flush()
 
-    def _logit_rows(self, plan: _Plan, state, extra) -> torch.Tensor:
+    def _logit_parts(self, plan: _Plan, state, extra) -> list[torch.Tensor]:
+        """The plan's logit rows in position order: rows of the extra pass, then the sampled row."""
         parts = []
         k = plan.row_hi - plan.row_lo - int(plan.sampled)
         if k:
             parts.append(extra[plan.extra_at : plan.extra_at + k])
         if plan.sampled:
             parts.append(state.logits[plan.row : plan.row + 1])
+        return parts
+
+    def _logit_rows(self, plan: _Plan, state, extra) -> torch.Tensor:
+        parts = self._logit_parts(plan, state, extra)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _indices_tensor(self, indices: tuple[int, ...]) -> torch.Tensor:
@@ -176,15 +194,18 @@ class StepCapture:
             t = self._indices[indices] = torch.tensor(indices, dtype=torch.long, device=self.device)
         return t
 
-    def _tensors(self, plan: _Plan, state, extra) -> list[tuple[TensorId, torch.Tensor, bool]]:
-        """(tensor id, source rows [n, full_dim], whether to shard across tp ranks)."""
+    def _tensors(self, plan: _Plan, state, extra) -> list[tuple[TensorId, torch.Tensor | list[torch.Tensor], bool]]:
+        """(tensor id, source rows [n, full_dim] or row blocks of them, whether to shard across tp ranks)."""
         spec = plan.spec
-        out: list[tuple[TensorId, torch.Tensor, bool]] = []
+        out: list[tuple[TensorId, torch.Tensor | list[torch.Tensor], bool]] = []
         if spec.logits != LogitsMode.NONE and self.is_last_stage:
-            logits = self._logit_rows(plan, state, extra)
             if spec.logits == LogitsMode.FULL:
-                out.append((TensorId(rf.TensorKind.LOGITS), logits, True))
+                # Full rows go to the ring block by block: concatenating them first would be one more
+                # copy of the largest thing captured, into freshly allocated memory.
+                parts = self._logit_parts(plan, state, extra)
+                out.append((_LOGITS_ID, parts[0] if len(parts) == 1 else parts, True))
             elif self.tp_rank == 0:
+                logits = self._logit_rows(plan, state, extra)
                 # Small, and needs the whole row: rank 0 writes it whole.
                 if spec.logits == LogitsMode.TOPK:
                     values, ids = torch.topk(logits, spec.topk, dim=-1, sorted=True)
@@ -197,27 +218,47 @@ class StepCapture:
             if layer not in self.aux_index:
                 continue  # another pipeline stage computes it
             src = aux[self.aux_index[layer]][plan.row_lo : plan.row_hi]
-            out.append((TensorId(rf.TensorKind.HIDDEN, layer), src, True))
+            out.append((_hidden_id(layer), src, True))
         return out
 
-    def _write_plan(self, plan: _Plan, state, extra, token_ids: torch.Tensor) -> None:
+    def _write_plan(self, plan: _Plan, state, extra, token_ids: torch.Tensor | np.ndarray) -> None:
         tensors = self._tensors(plan, state, extra)
         if not tensors:
             return
         expected = self.contributors(plan.spec)
         positions = np.arange(plan.first, plan.first + plan.row_hi - plan.row_lo, dtype=np.int32)
+        # Token ids already on the host go into the ring with the record header (a byte store);
+        # ids on an accelerator are copied by the publisher, behind the step's other copies.
+        host = isinstance(token_ids, np.ndarray)
+        host_ids = token_ids if host else None
+        dev_ids = None if host else token_ids
+        sharding = self.tp_size > 1
+        to_f32 = plan.spec.dtype == DTypeMode.FLOAT32
+        srcs, parts = [], []
         for tid, src, sharded in tensors:
-            if plan.spec.dtype == DTypeMode.FLOAT32 and src.is_floating_point() and src.dtype != torch.float32:
-                src = src.float()
-            full = src.shape[-1]
-            s0, s1 = shard(full, self.tp_rank, self.tp_size) if sharded else (0, full)
-            res = self.writer.reserve(
-                plan.request_id, tid, positions, None, dtype=_STORAGE[src.dtype], width=s1 - s0,
-                step=self.step, tap_key=plan.spec.key, slice_=(s0, s1), full_dim=full,
-                num_prompt_tokens=plan.num_prompt, expected_ranks=expected, rank_parts=len(tensors),
-            )
+            if isinstance(src, list):  # row blocks (full logits of a prefill chunk), stacked in the ring
+                if to_f32:
+                    src = [p.float() if p.is_floating_point() and p.dtype != torch.float32 else p for p in src]
+                first = src[0]
+            else:
+                if to_f32 and src.is_floating_point() and src.dtype != torch.float32:
+                    src = src.float()
+                first = src
+            full = first.shape[-1]
+            s0, s1 = shard(full, self.tp_rank, self.tp_size) if sharded and sharding else (0, full)
+            # Unsharded (tp=1): the whole row, without the cost of a no-op slice per tensor.
+            if s1 - s0 != full:
+                src = [p[:, s0:s1] for p in src] if isinstance(src, list) else src[:, s0:s1]
+            srcs.append(src)
+            parts.append((tid, _STORAGE[first.dtype], s1 - s0, (s0, s1), full))
+        # One reservation call for the request's tensors: the same records as one reserve() each.
+        reservations = self.writer.reserve_many(
+            plan.request_id, positions, host_ids, parts, step=self.step, tap_key=plan.spec.key,
+            num_prompt_tokens=plan.num_prompt, expected_ranks=expected, rank_parts=len(tensors),
+        )
+        for res, src in zip(reservations, srcs):
             if res is not None:
-                self.publisher.copy(res, src[:, s0:s1], token_ids)
+                self.publisher.copy(res, src, dev_ids)
 
     def contributors(self, spec: CaptureSpec) -> int:
         """How many ranks write records for one of this request's steps (the same on every rank).

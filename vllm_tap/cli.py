@@ -163,5 +163,12 @@ def status(endpoint: str | None, as_json: bool, timeout: float) -> None:
     click.echo(json.dumps(s, indent=2, sort_keys=True) if as_json else _status_text(s))
 
 
+# -- bench (its module imports only click and the stdlib; each part imports what it needs) --
+
+from vllm_tap.bench.cli import bench as _bench  # noqa: E402
+
+main.add_command(_bench)
+
+
 if __name__ == "__main__":
     sys.exit(main())

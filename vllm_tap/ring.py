@@ -36,6 +36,12 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SHM_DIR = "/dev/shm/vllm-tap"
 
+# Hot-path lookups (reserve runs once per captured tensor per step): item sizes by dtype code and
+# the positions of the writer statistics in the header.
+_ITEMSIZE = {int(code): rf.storage_dtype(code).itemsize for code in rf.DType}
+_RECORDS_WRITTEN = rf.STATS_FIELDS.index("records_written")
+_BYTES_WRITTEN = rf.STATS_FIELDS.index("bytes_written")
+
 
 class RingFormatError(RuntimeError):
     """The file is not a ring this version can read."""
@@ -149,6 +155,7 @@ class RingWriter:
         self._stats = {
             name: _Cursor(self._buf, rf.STATS_OFFSET + 8 * i) for i, name in enumerate(rf.STATS_FIELDS)
         }
+        self._stats_u64 = self._buf[rf.STATS_OFFSET : rf.STATS_OFFSET + 8 * len(rf.STATS_FIELDS)].view("<u8")
         self._reserved = 0  # cursor just past the last reservation
         self._pending: collections.deque[Reservation] = collections.deque()
         self._lock = threading.Lock()
@@ -230,10 +237,11 @@ class RingWriter:
             tensor.layer if tensor else -1, rank16, expected_ranks, rank_parts, n, len(key), 0,
             len(meta), step, slice_[0], slice_[1], full_dim, num_prompt_tokens, payload_off,
         )
-        base = at + rf.RECORD_HEADER_SIZE
-        self._data[base : base + len(key)] = np.frombuffer(key, np.uint8)
+        # Byte strings go in through the mapping itself: a slice store, no numpy wrapper per call.
+        base = rf.HEADER_SIZE + at + rf.RECORD_HEADER_SIZE
+        self._mm[base : base + len(key)] = key
         if meta:
-            self._data[base + len(key) : base + len(key) + len(meta)] = np.frombuffer(meta, np.uint8)
+            self._mm[base + len(key) : base + len(key) + len(meta)] = meta
 
     # -- control records --
 
@@ -285,43 +293,76 @@ class RingWriter:
         token_ids=None leaves them for the caller to fill before commit (at token_ids_offset),
         e.g. by a device copy when the ids only exist on the accelerator.
         """
+        part = (tensor, dtype, width, slice_ if slice_ is not None else (0, width),
+                full_dim if full_dim is not None else width)
+        return self.reserve_many(request_id, positions, token_ids, [part], step=step, tap_key=tap_key,
+                                 num_prompt_tokens=num_prompt_tokens, expected_ranks=expected_ranks,
+                                 rank_parts=rank_parts)[0]
+
+    def reserve_many(
+        self, request_id: str, positions: Iterable[int] | np.ndarray, token_ids: Iterable[int] | np.ndarray | None,
+        parts: list[tuple[TensorId, int, int, tuple[int, int], int]], *, step: int = 0, tap_key: str = "",
+        num_prompt_tokens: int = 0, expected_ranks: int = 1, rank_parts: int | None = None,
+    ) -> list[Reservation | None]:
+        """`reserve` for several tensors at the same positions (one request's step), in order.
+
+        parts: (tensor, dtype code, width, (slice start, stop), full_dim) per record; rank_parts
+        defaults to len(parts). The records and drops are exactly those of one `reserve` per part;
+        the work they share (key, layout, positions, ids, the lock) is done once.
+        """
         pos = np.ascontiguousarray(positions, dtype="<i4")
         ids = None if token_ids is None else np.ascontiguousarray(token_ids, dtype="<i4")
         n = len(pos)
         key = request_id.encode() + rf.KEY_SEPARATOR + tap_key.encode()
         _, pos_off, ids_off, payload_off = rf.body_layout(len(key), 0, n)
-        nbytes = n * width * rf.storage_dtype(dtype).itemsize
-        total = rf.align_up(payload_off + nbytes)
+        if rank_parts is None:
+            rank_parts = len(parts)
+        out: list[Reservation | None] = []
         with self._lock:
-            self._flush_backlog()
-            got = self._reserve_blocking(total)
-            if got is None:
-                self._bump("records_dropped")
-                self._bump("bytes_dropped", total)
-                self._backlog.append(
-                    (rf.RecordKind.DROP, request_id, tap_key,
-                     {"tensor": int(tensor.kind), "layer": tensor.layer, "positions": pos.tolist()})
+            for tensor, dtype, width, slice_, full_dim in parts:
+                itemsize = _ITEMSIZE.get(dtype) or rf.storage_dtype(dtype).itemsize  # the latter raises on a bad code
+                nbytes = n * width * itemsize
+                total = rf.align_up(payload_off + nbytes)
+                if self._backlog:  # nothing queued: nothing to flush (and nothing left to publish)
+                    self._flush_backlog()
+                got = self._reserve_blocking(total)
+                if got is None:
+                    self._bump("records_dropped")
+                    self._bump("bytes_dropped", total)
+                    self._backlog.append(
+                        (rf.RecordKind.DROP, request_id, tap_key,
+                         {"tensor": int(tensor.kind), "layer": tensor.layer, "positions": pos.tolist()})
+                    )
+                    self._stats["control_backlog"].set(len(self._backlog))
+                    out.append(None)
+                    continue
+                start, at = got
+                rel = at % self.capacity
+                self._encode_header(
+                    rel, total, rf.RecordKind.DATA, key, b"", n, payload_off, tensor=tensor, dtype=dtype,
+                    step=step, expected_ranks=expected_ranks, rank_parts=rank_parts, slice_=slice_,
+                    full_dim=full_dim, num_prompt_tokens=num_prompt_tokens,
                 )
-                self._stats["control_backlog"].set(len(self._backlog))
-                return None
-            start, at = got
-            rel = at % self.capacity
-            s = slice_ if slice_ is not None else (0, width)
-            self._encode_header(
-                rel, total, rf.RecordKind.DATA, key, b"", n, payload_off, tensor=tensor, dtype=dtype,
-                step=step, expected_ranks=expected_ranks, rank_parts=rank_parts, slice_=s,
-                full_dim=full_dim if full_dim is not None else width, num_prompt_tokens=num_prompt_tokens,
-            )
-            self._data[rel + pos_off : rel + pos_off + 4 * n] = pos.view(np.uint8)
-            if ids is not None:
-                self._data[rel + ids_off : rel + ids_off + 4 * n] = ids.view(np.uint8)
-            self._bump("records_written")
-            self._bump("bytes_written", total)
-            return self._push(start, at + total, rel + payload_off, nbytes, rel + ids_off)
+                at_file = rf.HEADER_SIZE + rel
+                self._mm[at_file + pos_off : at_file + pos_off + 4 * n] = pos
+                if ids is not None:
+                    self._mm[at_file + ids_off : at_file + ids_off + 4 * n] = ids
+                stats = self._stats_u64
+                stats[_RECORDS_WRITTEN] += 1
+                stats[_BYTES_WRITTEN] += total
+                out.append(self._push(start, at + total, rel + payload_off, nbytes, rel + ids_off))
+        return out
 
     def commit(self, res: Reservation) -> None:
         with self._lock:
             res.done = True
+            self._publish()
+
+    def commit_many(self, reservations: Iterable[Reservation]) -> None:
+        """Commit several reservations at once (one lock, one publish): a step's records."""
+        with self._lock:
+            for res in reservations:
+                res.done = True
             self._publish()
 
     def write(self, request_id: str, tensor: TensorId, positions, token_ids, data: np.ndarray, **kw) -> bool:

@@ -1,0 +1,97 @@
+"""`vllm-tap bench`: serving overhead, hook cost against memcpy, and transport latency/throughput.
+
+A benchmark, not a test: it measures, writes `results.md`, `results.json` and PNG plots to a
+results folder, and says which targets were met. Every part interleaves its configurations
+(A B C A B C ...) over several repeats and reports medians, and ratios within a repeat, because the
+machines it runs on are shared and noisy. Only the parts that need torch or vLLM import them
+(serving starts vLLM as subprocesses; the hook-cost part imports torch in-process).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import time
+from typing import Any, Iterable, Sequence
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100); nan for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    if len(xs) == 1:
+        return float(xs[0])
+    k = (len(xs) - 1) * q / 100.0
+    lo = math.floor(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return float(xs[lo] + (xs[hi] - xs[lo]) * (k - lo))
+
+
+def median(values: Iterable[float]) -> float:
+    xs = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return float(statistics.median(xs)) if xs else math.nan
+
+
+def spread(values: Iterable[float]) -> tuple[float, float]:
+    xs = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return (min(xs), max(xs)) if xs else (math.nan, math.nan)
+
+
+def loadavg() -> tuple[float, float, float]:
+    try:
+        return os.getloadavg()
+    except OSError:
+        return (math.nan, math.nan, math.nan)
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on, including how busy the machine was."""
+    info: dict[str, Any] = {
+        "host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+        "cpus": os.cpu_count(), "loadavg_start": loadavg(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal"):
+                    info["mem_gib"] = round(int(line.split()[1]) / (1 << 20), 1)
+    except OSError:
+        pass
+    return info
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """user+system CPU seconds of one process (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Pids of the processes in process group pgid (a vLLM server and its engine/workers)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                out.append(int(name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out

@@ -1,0 +1,373 @@
+"""Markdown tables and PNG plots from a bench's results dict (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from vllm_tap.bench import serving, transport
+
+
+def _f(v: Any, fmt: str = ".2f") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    return format(v, fmt)
+
+
+def _x(v: Any) -> str:
+    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}×"
+
+
+def _ok(met: bool | None) -> str:
+    return "–" if met is None else ("met" if met else "**missed**")
+
+
+def _bytes(n: float) -> str:
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "–"
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+# -- targets --
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every target with its measured value and whether it was met."""
+    out: list[dict[str, Any]] = []
+    sv = results.get("serving")
+    if sv:
+        for pt in sv["points"]:
+            s = pt["summary"]
+            v = pt["vocab"]
+            for c in ("b", "c"):
+                if c not in s:
+                    continue
+                r = s[c]["ratio_to_a"]
+                t = r["tok_s"]["median"]
+                out.append({"part": "serving", "target": f"V={v}: ({c}) output tok/s ≥ {serving.TARGET_TPUT} × (a)",
+                            "measured": _x(t), "met": None if math.isnan(t) else t >= serving.TARGET_TPUT})
+                i = r["itl_p99_ms"]["median"]
+                out.append({"part": "serving", "target": f"V={v}: ({c}) ITL p99 ≤ {serving.TARGET_ITL_P99} × (a)",
+                            "measured": _x(i), "met": None if math.isnan(i) else i <= serving.TARGET_ITL_P99})
+            if "c_over_d" in s:
+                cd = s["c_over_d"]["median"]
+                out.append({"part": "serving", "target": f"V={v}: (c) output tok/s ≥ {serving.TARGET_C_OVER_D:g} × (d)",
+                            "measured": _x(cd), "met": None if math.isnan(cd) else cd >= serving.TARGET_C_OVER_D})
+            for c in serving.CAPTURING:
+                if c not in s:
+                    continue
+                d = s[c]["drain"]
+                full = d["complete_captures"] == d["captures"] and d["missing"] == 0
+                out.append({"part": "serving", "target": f"V={v}: ({c}) subscriber received every position",
+                            "measured": f"{d['positions']}/{d['expected_positions']} positions, "
+                                        f"{d['complete_captures']}/{d['captures']} captures complete",
+                            "met": full})
+    hk = results.get("hook")
+    if hk:
+        for row in hk["summary"]:
+            if not row["captured_bytes"]:
+                continue
+            out.append({"part": "hook", "target": f"V={row['vocab']} {row['scenario']}: hook ≤ 2 × memcpy + 50 µs",
+                        "measured": f"{row['hook_cpu_us']:.0f} µs vs limit {row['limit_cpu_us']:.0f} µs",
+                        "met": row["met"]})
+    tp = results.get("transport")
+    if tp:
+        for row in tp["summary"]:
+            if row["p99_target"] is not None:
+                out.append({"part": "transport",
+                            "target": f"{transport.size_label(row['size'])} × {row['subscribers']} sub, {_poll(row)}: "
+                                      f"p99 ≤ {transport.P99_TARGET_MS:g} ms",
+                            "measured": f"{row['p99_ms']:.3f} ms", "met": row["p99_target"]})
+        big = max(row["size"] for row in tp["summary"])
+        for row in tp["summary"]:
+            if row["size"] == big:
+                out.append({"part": "transport",
+                            "target": f"{transport.size_label(big)} × {row['subscribers']} sub, {_poll(row)}: "
+                                      f"≥ {transport.GBPS_TARGET:g} GB/s sustained (per subscriber)",
+                            "measured": f"{row['gbps_per_sub']:.2f} GB/s", "met": row["gbps_per_sub"] >= transport.GBPS_TARGET})
+    return out
+
+
+def _poll(row: dict[str, Any]) -> str:
+    return f"poll {row.get('poll_s', 0.0005) * 1e3:g} ms"
+
+
+# -- markdown --
+
+
+def _machine(results: dict[str, Any]) -> list[str]:
+    m = results.get("machine", {})
+    load = [results.get(k, {}).get("loadavg_start") for k in ("hook", "transport")]
+    sv = results.get("serving")
+    if sv:
+        load += [p.get("loadavg_start") for p in sv["points"]]
+    loads = [l[0] for l in load if l]
+    lines = [
+        f"Measured {m.get('started', '?')} on {m.get('cpu', '?')}, {m.get('cpus', '?')} CPUs, {m.get('mem_gib', '?')} GiB, "
+        f"Python {m.get('python', '?')}; vLLM CPU backend (float32, eager).",
+    ]
+    if loads:
+        lines.append(f"1-minute load average when the parts started: {', '.join(f'{x:.1f}' for x in loads)} "
+                     f"(on {m.get('cpus', '?')} CPUs: other jobs shared the machine; configurations are interleaved "
+                     "and repeated, and medians and within-repeat ratios are reported to absorb that).")
+    return lines
+
+
+def serving_md(sv: dict[str, Any]) -> list[str]:
+    p = sv["params"]
+    out = ["## Serving overhead", ""]
+    mdl = p["model"]
+    out.append(
+        f"Random Llama, {mdl['num_layers']} layers × {mdl['hidden_size']} hidden, {mdl['num_heads']} heads "
+        f"(head_dim {mdl['hidden_size'] // mdl['num_heads']}), {mdl['num_kv_heads']} KV heads, MLP {mdl['intermediate_size']}; "
+        f"{p['num_requests']} requests × ({p['prompt_len']} prompt + {p['output_len']} output tokens, ignore_eos), "
+        f"concurrency {p['concurrency']}, streamed; {p['repeats']} repeats, configurations interleaved. "
+        f"(c) captures full logits + layers {p['tap_layers']} at every position and a subscriber process drains "
+        f"every capture; (f) is (c) at output positions only, so without the extra lm-head pass over the prompt that (c)'s prompt logits need. (d) gets {p['d_requests'] or p['num_requests']} requests (it is slow; throughput is per token). "
+        "Every run gets a fresh random request set of that shape (vLLM's prefix cache would otherwise serve "
+        "repeated prompts, and a capture of prompt positions bypasses it) and an unmeasured wave of short requests "
+        "first (a server that sat idle while the other was measured starts slowly). "
+        "Ratios are to (a) within the same repeat, then the median over repeats; ITL is the gap between streamed "
+        "events (vLLM may put several tokens in one event under load), TPOT the per-request mean.")
+    out.append("")
+    for pt in sv["points"]:
+        s = pt["summary"]
+        out.append(f"### Vocabulary {pt['vocab']} ({pt['model_params'] / 1e6:.0f} M parameters)")
+        out.append("")
+        out.append("| config | | req | out tok/s | ×(a) | TTFT p50 ms | ×(a) | TTFT p99 ms | ×(a) | ITL p50 ms | ×(a) "
+                   "| ITL p99 ms | ×(a) | TPOT ms | bytes/request |")
+        out.append("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+        for c in pt["configs"]:
+            if c not in s:
+                continue
+            r = s[c]
+            q = r["ratio_to_a"]
+            out.append(
+                f"| ({c}) | {serving.CONFIGS[c]} | {r['requests']} | {_f(r['tok_s'], '.1f')} | {_x(q['tok_s']['median'])} "
+                f"| {_f(r['ttft_p50_ms'], '.0f')} | {_x(q['ttft_p50_ms']['median'])} | {_f(r['ttft_p99_ms'], '.0f')} "
+                f"| {_x(q['ttft_p99_ms']['median'])} | {_f(r['itl_p50_ms'], '.1f')} | {_x(q['itl_p50_ms']['median'])} "
+                f"| {_f(r['itl_p99_ms'], '.1f')} | {_x(q['itl_p99_ms']['median'])} | {_f(r['tpot_ms'], '.1f')} "
+                f"| {_bytes(r['bytes_per_request'])} |")
+        out.append("")
+        for c in serving.CAPTURING:
+            if c not in s:
+                continue
+            d = s[c]["drain"]
+            cpu = s[c]["cpu_s"]
+            out.append(
+                f"({c}) drained {d['complete_captures']}/{d['captures']} captures complete, "
+                f"{d['positions']}/{d['expected_positions']} positions, {d['missing']} missing, {d['gb']:.2f} GB "
+                f"({d['gb_per_s']:.3f} GB/s during a run), ring drops {d['ring_drops']}; last capture drained "
+                f"{d['lag_s']:.2f} s after the last response (median). CPU seconds per run (median): server "
+                f"{cpu.get('server', 0):.1f}, daemon {cpu.get('daemon', 0):.1f}, subscriber {cpu.get('drainer', 0):.1f}.")
+        if "c_over_d" in s:
+            cd = s["c_over_d"]
+            out.append(f"(c) / (d) output tok/s: {_x(cd['median'])} (range {_x(cd['range'][0])} – {_x(cd['range'][1])}).")
+        if "a" in s and any(k in s for k in "bc"):
+            rng = "; ".join(f"({c}) tok/s ×(a) {_x(s[c]['ratio_to_a']['tok_s']['range'][0])} – "
+                            f"{_x(s[c]['ratio_to_a']['tok_s']['range'][1])}" for c in "bc" if c in s)
+            out.append(f"Spread over repeats: {rng}.")
+        out.append("")
+    return out
+
+
+def hook_md(hk: dict[str, Any]) -> list[str]:
+    p = hk["params"]
+    bw = hk["bandwidth_gbps"]
+    out = ["## Hook cost against memcpy", "",
+           f"`StepCapture.capture` driven in-process with real tensors (hidden {p['hidden_size']}, layers {p['layers']} "
+           f"captured with full logits, float32, {p['threads']} torch thread), {p['repeats']} repeats × {p['steps']} steps "
+           "per scenario, interleaved. Time is the thread's CPU time per step (wall-clock alongside; on a busy machine "
+           "wall time also counts time spent preempted). memcpy = captured bytes ÷ memcpy bandwidth measured in the "
+           f"same run (torch copy of {p['memcpy_bytes'] >> 20} MiB into shared memory: "
+           f"{min(bw):.1f} – {max(bw):.1f} GB/s by wall time). The extra lm-head pass a prefill capture asks for is "
+           "model compute the user requested, shown separately and not counted as hook time.", "",
+           "| vocab | scenario | captured | hook CPU µs | hook wall µs | memcpy µs | limit µs (2×memcpy+50) | hook ÷ memcpy | target | extra lm-head µs |",
+           "|--:|---|--:|--:|--:|--:|--:|--:|---|--:|"]
+    for row in hk["summary"]:
+        out.append(
+            f"| {row['vocab']} | {row['scenario']} ({hk['scenarios'].get(row['scenario'], '')}) | {_bytes(row['captured_bytes'])} "
+            f"| {_f(row['hook_cpu_us'], '.0f')} | {_f(row['hook_us'], '.0f')} | {_f(row['memcpy_cpu_us'], '.0f')} "
+            f"| {_f(row['limit_cpu_us'], '.0f')} | {_f(row['hook_cpu_us'] / row['memcpy_cpu_us'] if row['memcpy_cpu_us'] else float('nan'), '.2f')} "
+            f"| {_ok(row['met']) if row['captured_bytes'] else '–'} | {_f(row['lm_head_us'], '.0f') if row['extra_rows'] else '–'} |")
+    out.append("")
+    return out
+
+
+def transport_md(tp: dict[str, Any]) -> list[str]:
+    p = tp["params"]
+    out = ["## Transport: ring commit → subscriber holding a numpy array", "",
+           f"Writer process → ring → `vllm-tap daemon` → N subscriber processes (ipc socket), one position of float32 per "
+           f"record; {p['repeats']} repeats, configurations interleaved. Latency: records paced (≥ {p['min_pace_s'] * 1e3:g} ms "
+           f"apart, ≤ {p['pace_bandwidth'] / 1e6:g} MB/s), {p['latency_records']} per trial, commit timestamp in the payload. "
+           "Throughput: as fast as the ring allows (the writer waits for room, nothing dropped), from the first commit "
+           "to each subscriber's last record.", "",
+           "Each configuration runs against a daemon with the default `--poll-interval` (0.5 ms: how long it sleeps "
+           "when every ring is empty) and one with 0.1 ms, alternating.", "",
+           "| daemon poll | record | subscribers | p50 ms | p99 ms | p99 target (≤ 1 ms up to 1 MB) | GB/s per subscriber | GB/s delivered (all) | complete |",
+           "|--:|--:|--:|--:|--:|---|--:|--:|---|"]
+    for row in tp["summary"]:
+        out.append(
+            f"| {row.get('poll_s', 0.0005) * 1e3:g} ms | {transport.size_label(row['size'])} | {row['subscribers']} "
+            f"| {_f(row['p50_ms'], '.3f')} | {_f(row['p99_ms'], '.3f')} "
+            f"| {_ok(row['p99_target'])} | {_f(row['gbps_per_sub'], '.3f')} | {_f(row['gbps_total'], '.3f')} "
+            f"| {'yes' if row['complete'] else '**no**'} |")
+    out.append("")
+    for key, pp in (tp.get("per_poll") or {}).items():
+        out.append(
+            f"- daemon poll {float(key) * 1e3:g} ms: daemon CPU while one capture trickles in at 100 records/s "
+            f"{100 * pp['trickle_cpu']:.1f}% of a core (the price of polling: one 0.5 ms sleep costs "
+            f"{pp.get('cpu_per_sleep_us', float('nan')):.0f} µs of CPU on this machine); wake-up floor (a thread sleeping "
+            f"0.5 ms wakes this late) p50 {pp['oversleep_p50_ms']:.3f} ms, p99 {pp['oversleep_p99_ms']:.3f} ms; "
+            f"filling a fresh daemon's retention ran at {pp['warmup_gbps']:.2f} GB/s.")
+    out.append("")
+    out.append(f"Before each round's trials the daemon's retention ({p['retain_bytes'] >> 20} MiB) is filled once, so "
+               "its copies land in memory it reuses, as in a daemon that has been up a while (a fresh daemon's first "
+               "retain-bytes of data go to newly faulted pages, at the rate above). Every record needs at least three "
+               "wake-ups on its way (daemon, its zmq I/O thread, the subscriber), so the wake-up floor bounds the p99.")
+    out.append("")
+    return out
+
+
+def markdown(results: dict[str, Any], title: str = "vllm-tap benchmark") -> str:
+    lines = [f"# {title}", ""] + _machine(results) + [""]
+    ts = targets(results)
+    if ts:
+        lines += ["## Targets", "", "| part | target | measured | |", "|---|---|---|---|"]
+        lines += [f"| {t['part']} | {t['target']} | {t['measured']} | {_ok(t['met'])} |" for t in ts]
+        lines.append("")
+    if results.get("serving"):
+        lines += serving_md(results["serving"])
+    if results.get("hook"):
+        lines += hook_md(results["hook"])
+    if results.get("transport"):
+        lines += transport_md(results["transport"])
+    notes = results.get("notes")
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)
+
+
+# -- plots --
+
+
+def plots(results: dict[str, Any], outdir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written: list[str] = []
+    sv = results.get("serving")
+    if sv:
+        metrics = [("tok_s", "output tok/s"), ("ttft_p50_ms", "TTFT p50"), ("itl_p50_ms", "ITL p50"), ("itl_p99_ms", "ITL p99")]
+        for pt in sv["points"]:
+            s = pt["summary"]
+            cs = [c for c in pt["configs"] if c in s and c != "a"]
+            if not cs:
+                continue
+            fig, ax = plt.subplots(figsize=(8, 4))
+            w = 0.8 / len(metrics)
+            for k, (m, label) in enumerate(metrics):
+                vals = [s[c]["ratio_to_a"][m]["median"] for c in cs]
+                ax.bar([i + k * w for i in range(len(cs))], vals, w, label=label)
+            ax.axhline(1.0, color="k", lw=0.8)
+            ax.set_yscale("log")
+            ax.set_xticks([i + w * (len(metrics) - 1) / 2 for i in range(len(cs))])
+            ax.set_xticklabels([f"({c}) {serving.CONFIGS[c]}" for c in cs], fontsize=7, rotation=10)
+            ax.set_ylabel("ratio to (a), median over repeats")
+            ax.set_title(f"Serving, vocab {pt['vocab']}: ratio to plugin not enabled")
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            path = os.path.join(outdir, f"serving_v{pt['vocab']}.png")
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            written.append(path)
+    hk = results.get("hook")
+    if hk:
+        rows = [r for r in hk["summary"] if r["captured_bytes"]]
+        if rows:
+            fig, ax = plt.subplots(figsize=(8, 4))
+            labels = [f"{r['scenario']}\nV={r['vocab']}" for r in rows]
+            xs = range(len(rows))
+            ax.bar([x - 0.2 for x in xs], [r["hook_cpu_us"] for r in rows], 0.4, label="hook (CPU time)")
+            ax.bar([x + 0.2 for x in xs], [r["memcpy_cpu_us"] for r in rows], 0.4, label="memcpy of the same bytes")
+            ax.scatter(list(xs), [r["limit_cpu_us"] for r in rows], marker="_", s=400, color="r", label="target 2×memcpy+50 µs", zorder=3)
+            ax.set_yscale("log")
+            ax.set_xticks(list(xs))
+            ax.set_xticklabels(labels, fontsize=7)
+            ax.set_ylabel("µs per step")
+            ax.set_title("Hook time per step against memcpy")
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            path = os.path.join(outdir, "hook_cost.png")
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            written.append(path)
+    tp = results.get("transport")
+    if tp:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
+        for poll_s in tp["params"].get("poll_intervals", [0.0005]):
+            for nsub in tp["params"]["subscribers"]:
+                rows = [r for r in tp["summary"] if r["subscribers"] == nsub and r.get("poll_s", 0.0005) == poll_s]
+                sizes = [r["size"] / 1024 for r in rows]
+                tag = f"{nsub} sub, poll {poll_s * 1e3:g} ms"
+                a1.plot(sizes, [r["p99_ms"] for r in rows], "o-", label=f"p99, {tag}")
+                a2.plot(sizes, [r["gbps_per_sub"] for r in rows], "o-", label=tag)
+        a1.axhline(transport.P99_TARGET_MS, color="r", lw=0.8, label="p99 target")
+        a2.axhline(transport.GBPS_TARGET, color="r", lw=0.8, label="target")
+        for a in (a1, a2):
+            a.set_xscale("log", base=2)
+            a.set_yscale("log")
+            a.set_xlabel("record size (KiB)")
+            a.legend(fontsize=7)
+        a1.set_ylabel("commit → subscriber array (ms)")
+        a2.set_ylabel("GB/s")
+        a1.set_title("Transport latency")
+        a2.set_title("Sustained throughput")
+        fig.tight_layout()
+        path = os.path.join(outdir, "transport.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write(results: dict[str, Any], outdir: str, latest: str | None = None) -> dict[str, str]:
+    """results.md, results.json and the PNGs into outdir; the markdown also to `latest` if given."""
+    import json
+
+    os.makedirs(outdir, exist_ok=True)
+    md = markdown(results)
+    paths = {"md": os.path.join(outdir, "results.md"), "json": os.path.join(outdir, "results.json")}
+    with open(paths["json"], "w") as f:
+        json.dump(results, f, indent=1, default=_json_default)
+    try:
+        pngs = plots(results, outdir)
+    except ImportError:
+        pngs = []
+        md += "\n(PNG plots skipped: matplotlib is not installed; `pip install matplotlib`.)\n"
+    if pngs:
+        md += "\n" + "\n".join(f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in pngs) + "\n"
+    with open(paths["md"], "w") as f:
+        f.write(md)
+    if latest:
+        with open(latest, "w") as f:
+            f.write(markdown(results, "vllm-tap benchmark (latest full run)"))
+        paths["latest"] = latest
+    for i, p in enumerate(pngs):
+        paths[f"png{i}"] = p
+    return paths
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)
+

@@ -1,0 +1,592 @@
+"""Serving overhead: the same request set against vLLM OpenAI servers with and without the tap.
+
+Configurations (one request set, streamed, `ignore_eos` so every request makes exactly
+`output_len` tokens):
+  a  plugin not enabled
+  b  plugin enabled, no request opts in
+  c  every request captures full logits + 2 layers at every prompt and output position, and a
+     subscriber process drains every capture from the daemon (and counts every position)
+  d  no tap: vLLM returns full-vocabulary logprobs in the JSON (raw logits, `logprobs=-1`)
+  e  no tap: top-20 logprobs in the JSON
+  f  as (c), but output positions only: no prompt rows, so no extra lm-head pass over the prompt
+     (vLLM computes logits only for sampled rows; (c)'s prompt logits are compute the user asks for)
+
+Servers: one with the plugin off (a, d, e) and one with it on (b, c); both get the same flags
+otherwise (`--max-logprobs -1 --logprobs-mode raw_logits`, which change nothing for requests that
+ask for no logprobs), so (a) and (b) differ only in `--additional-config`. Each runs alone while it
+is measured (vLLM's CPU worker binds a core; the other idles). Within each repeat the
+configurations run in turn (A B C D E, order rotated per repeat), and ratios to (a) are taken within
+a repeat, then the median over repeats is reported.
+
+Metrics per run: output tokens/s over the run's wall time, TTFT and inter-token latency (the gaps
+between streamed events, as vLLM's own benchmark counts them) p50/p99, response bytes per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vllm_tap.bench import group_pids, loadavg, median, percentile, proc_cpu_seconds, spread
+
+log = logging.getLogger(__name__)
+
+CONFIGS: dict[str, str] = {
+    "a": "plugin not enabled",
+    "b": "plugin enabled, no request opts in",
+    "c": "full logits + 2 layers, every position, drained",
+    "d": "no tap, full-vocab logprobs JSON",
+    "e": "no tap, top-20 logprobs JSON",
+    "f": "full logits + 2 layers, output positions only, drained",
+}
+SERVER_OF = {"a": "plain", "b": "tap", "c": "tap", "d": "plain", "e": "plain", "f": "tap"}
+CAPTURING = ("c", "f")
+INSTANCE = "bench"
+TARGET_TPUT = 0.99  # (b), (c) output tok/s >= 0.99 x (a)
+TARGET_ITL_P99 = 1.02  # (b), (c) ITL p99 <= 1.02 x (a)
+TARGET_C_OVER_D = 20.0  # (c) output tok/s >= 20 x (d)
+
+
+@dataclass
+class ModelSpec:
+    vocab_size: int = 32000
+    hidden_size: int = 1024
+    num_layers: int = 8
+    num_heads: int = 16  # head_dim 64
+    num_kv_heads: int = 4
+    intermediate_size: int = 2816
+
+    def name(self) -> str:
+        return (f"llama-v{self.vocab_size}-h{self.hidden_size}-l{self.num_layers}-a{self.num_heads}"
+                f"-kv{self.num_kv_heads}-i{self.intermediate_size}")
+
+    def params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        kv = h // self.num_heads * self.num_kv_heads
+        per_layer = 2 * h * h + 2 * h * kv + 3 * h * i
+        return self.num_layers * per_layer + 2 * v * h
+
+
+@dataclass
+class ServingParams:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    vocab_sizes: list[int] = field(default_factory=lambda: [32000, 128256])
+    configs: list[str] = field(default_factory=lambda: list("abcdef"))
+    # configurations run at the vocabulary points after the first (the big-vocab point); (d) there
+    # streams ~4 MB of JSON per token, minutes per run on a CPU machine
+    extra_point_configs: list[str] = field(default_factory=lambda: list("abcf"))
+    # 32 requests keep a full run (both points, 3 repeats) near 20 minutes on the 2-core CPU
+    # machine this was developed on; 64 doubles that.
+    num_requests: int = 32
+    prompt_len: int = 128
+    output_len: int = 64
+    concurrency: int = 8
+    repeats: int = 3
+    tap_layers: list[int] = field(default_factory=lambda: [2, 5])
+    # (d) streams ~1 MB of JSON per token at a 32000 vocabulary (~3 tok/s here), so it gets fewer
+    # requests (throughput is per token, so the ratio stays comparable); 0 = as many as the others.
+    d_requests: int = 4
+    ring_mb: int = 512  # at least; more when a burst of prefills needs it (see ring_bytes_for)
+    kv_cache_gib: int = 1
+    max_model_len: int = 1024
+    server_timeout_s: float = 600.0
+    models_dir: str = field(default_factory=lambda: os.environ.get("VLLM_TAP_BENCH_MODELS", "/tmp/vllm-tap-bench-models"))
+
+    @classmethod
+    def quick(cls) -> "ServingParams":
+        return cls(model=ModelSpec(vocab_size=2048, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                                   intermediate_size=512),
+                   vocab_sizes=[2048], num_requests=8, prompt_len=32, output_len=16, concurrency=4, repeats=1,
+                   tap_layers=[1, 3], d_requests=4, ring_mb=64, max_model_len=512)
+
+    def ring_bytes_for(self, vocab: int) -> int:
+        """Room for two steps' worth of prefill captures of every concurrent request."""
+        row = (vocab + self.model.hidden_size * len(self.tap_layers)) * 4
+        need = 2 * self.concurrency * self.prompt_len * row
+        return max(self.ring_mb << 20, -(-need // (64 << 20)) * (64 << 20))
+
+    def requests_for(self, config: str) -> int:
+        if config == "d" and self.d_requests:
+            return min(self.d_requests, self.num_requests)
+        return self.num_requests
+
+
+# -- the request set --
+
+
+def prompts(p: ServingParams, vocab: int, seed: int, n: int | None = None) -> list[str]:
+    """A request set of random prompts, exactly prompt_len tokens each (ids >= 3 are plain words of
+    the generated tokenizer). Every run gets its own seed: vLLM's prefix cache would otherwise serve
+    a repeated prompt from the KV cache, so later runs would skip their prefill (and a capture of
+    prompt positions bypasses the cache, so it would be compared against runs doing less work)."""
+    from vllm_tap.tiny_model import prompt_text
+
+    rng = np.random.default_rng(seed)
+    return [prompt_text(rng.integers(3, vocab, p.prompt_len).tolist()) for _ in range(n or p.num_requests)]
+
+
+def request_body(model: str, text: str, p: ServingParams, config: str, key: str, vocab: int) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model, "prompt": text, "max_tokens": p.output_len, "temperature": 0.0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True},
+    }
+    if config in CAPTURING:
+        positions = "all" if config == "c" else "output"
+        body["vllm_xargs"] = {"tap": 1, "tap_layers": list(p.tap_layers), "tap_positions": positions, "tap_key": key}
+    elif config == "d":
+        body["logprobs"] = -1
+    elif config == "e":
+        body["logprobs"] = 20
+    return body
+
+
+# -- the load generator --
+
+
+@dataclass
+class _Result:
+    ok: bool
+    start: float
+    end: float
+    events: list[float]
+    output_tokens: int
+    nbytes: int
+    error: str = ""
+
+
+async def _one(session, url: str, body: dict[str, Any]) -> _Result:
+    t0 = time.perf_counter()
+    events: list[float] = []
+    nbytes = 0
+    usage_tokens = 0
+    buf = bytearray()
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                text = (await resp.read())[:300].decode(errors="replace")
+                return _Result(False, t0, time.perf_counter(), [], 0, 0, f"HTTP {resp.status}: {text}")
+            async for data in resp.content.iter_any():
+                now = time.perf_counter()
+                nbytes += len(data)
+                scan = max(len(buf) - 1, 0)
+                buf += data
+                while True:
+                    i = buf.find(b"\n\n", scan)
+                    if i < 0:
+                        break
+                    ev = bytes(buf[:i]) if i < 4096 else None
+                    head = bytes(buf[: min(i, 64)])
+                    tail = bytes(buf[max(0, i - 256) : i])
+                    del buf[: i + 2]
+                    scan = 0
+                    if head.startswith(b"data: [DONE]"):
+                        continue
+                    if b'"completion_tokens"' in tail and ev is not None and b'"choices":[]' in ev:
+                        usage_tokens = int(json.loads(ev[6:])["usage"]["completion_tokens"])
+                        continue
+                    if head.startswith(b"data:"):
+                        events.append(now)
+    except Exception as e:  # reported per request
+        return _Result(False, t0, time.perf_counter(), events, 0, nbytes, f"{type(e).__name__}: {e}")
+    return _Result(True, t0, time.perf_counter(), events, usage_tokens, nbytes)
+
+
+async def _load(base_url: str, bodies: list[dict[str, Any]], concurrency: int, on_send=None) -> tuple[list[_Result], float, float]:
+    import aiohttp
+
+    sem = asyncio.Semaphore(concurrency)
+    url = base_url + "/v1/completions"
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=900)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+        async def go(i: int, body: dict[str, Any]) -> _Result:
+            async with sem:
+                if on_send is not None:
+                    on_send(i)
+                return await _one(session, url, body)
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(go(i, b) for i, b in enumerate(bodies)))
+        t1 = time.perf_counter()
+    return list(results), t0, t1
+
+
+# -- the subscriber that drains (c) --
+
+
+def _drainer_main(endpoint: str, threads: int, vocab: int, layers: list[int], keys: Any, results: Any) -> None:
+    """Subscribe by tap_key to every capture named on `keys`, count what arrives, report each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm_tap.client import Chunk, Client
+
+    client = Client(endpoint)
+
+    def drain(key: str, expected: int) -> None:
+        got = nbytes = gaps = 0
+        next_pos = None
+        in_order = shape_ok = True
+        err = ""
+        missing = -1
+        try:
+            sub = client.subscribe(key, timeout=600)
+            for item in sub.chunks():
+                if isinstance(item, Chunk):
+                    in_order &= next_pos is None or item.start == next_pos
+                    next_pos = item.stop
+                    got += len(item)
+                    lg = item.logits
+                    shape_ok &= lg is not None and lg.shape == (len(item), vocab) and sorted(item.hidden) == layers
+                    nbytes += (lg.nbytes if lg is not None else 0) + sum(a.nbytes for a in item.hidden.values())
+                else:
+                    gaps += len(item.positions)
+                    next_pos = item.positions.stop
+            missing = len(sub.end.missing_positions) if sub.end is not None else -1
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}"
+        results.put({"key": key, "positions": got, "expected": expected, "gaps": gaps, "missing": missing,
+                     "in_order": in_order, "shape_ok": shape_ok, "bytes": nbytes, "done": time.time(),
+                     "error": err})
+
+    cpu0 = time.process_time()
+    results.put({"ready": os.getpid()})
+    with ThreadPoolExecutor(threads) as pool:
+        while True:
+            msg = keys.get()
+            if msg is None:
+                break
+            pool.submit(drain, *msg)
+    results.put({"cpu_s": time.process_time() - cpu0})
+    results.put(None)
+
+
+class Drainer:
+    def __init__(self, endpoint: str, threads: int, vocab: int, layers: list[int]):
+        ctx = mp.get_context("spawn")
+        self.keys, self.results = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=_drainer_main, args=(endpoint, threads, vocab, sorted(layers), self.keys, self.results),
+                                daemon=True)
+        self.proc.start()
+        msg = self.results.get(timeout=120)
+        self.pid = msg["ready"]
+        self.cpu_s = 0.0
+
+    def add(self, key: str, expected: int) -> None:
+        self.keys.put((key, expected))
+
+    def finish(self, timeout: float) -> list[dict[str, Any]]:
+        """Every capture's report (waits for the last to drain); self.cpu_s is the drainer's CPU time."""
+        self.keys.put(None)
+        out = []
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                msg = self.results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if msg is None:
+                break
+            if "cpu_s" in msg:
+                self.cpu_s = msg["cpu_s"]
+            else:
+                out.append(msg)
+        self.stop()
+        return out
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+# -- servers --
+
+
+@dataclass
+class _Server:
+    kind: str  # "plain" or "tap"
+    handle: Any
+    daemon: Any = None
+    endpoint: str = ""
+
+
+def _logprob_flags() -> list[str]:
+    return ["--max-logprobs", "-1", "--logprobs-mode", "raw_logits"]
+
+
+def _start_server(kind: str, model_path: str, p: ServingParams, vocab: int, workdir: str, shm: str, sock: str,
+                  started: list[Any], echo) -> _Server:
+    """Start one server (and, for the tap, its daemon). Every process is put on `started` before it
+    is waited for, so the caller stops it whatever happens (an error, a timeout, SIGTERM)."""
+    from vllm_tap.launch import DaemonHandle, ServerHandle, cpu_server_args, free_port, tap_server_args
+
+    args = cpu_server_args(eager=True, max_model_len=p.max_model_len) + _logprob_flags()
+    daemon = None
+    endpoint = ""
+    if kind == "tap":
+        endpoint = f"ipc://{sock}/tap.sock"
+        daemon = DaemonHandle(shm, endpoint, os.path.join(workdir, "daemon.log"))
+        started.append(daemon)
+        daemon.start(extra=["--log-level", "WARNING"])
+        args += tap_server_args(shm, INSTANCE, layers=list(p.tap_layers), ring_bytes=p.ring_bytes_for(vocab))
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(p.kv_cache_gib)}
+    last: Exception | None = None
+    for attempt in range(3):  # free_port can race with other processes on a shared machine
+        handle = ServerHandle(model_path, free_port(), os.path.join(workdir, f"server-{kind}.log"), args, env)
+        started.append(handle)
+        t = time.monotonic()
+        try:
+            handle.start(timeout=p.server_timeout_s)
+            echo(f"  server {kind} up in {time.monotonic() - t:.0f} s (pid {handle.proc.pid})")
+            return _Server(kind, handle, daemon, endpoint)
+        except RuntimeError as e:
+            handle.stop()
+            last = e
+            if "Address already in use" not in str(e):
+                break
+    raise RuntimeError(f"could not start the {kind} server: {last}")
+
+
+# -- one run --
+
+
+def _cpu(pids: list[int]) -> float:
+    return sum(proc_cpu_seconds(pid) for pid in pids)
+
+
+def _run_config(server: _Server, config: str, model_path: str, p: ServingParams, vocab: int, seed: int,
+                run_id: str) -> dict[str, Any]:
+    n = p.requests_for(config)
+    texts = prompts(p, vocab, seed, n)
+    keys = [f"{run_id}-{i}" for i in range(n)]
+    bodies = [request_body(model_path, texts[i], p, config, keys[i], vocab) for i in range(n)]
+    # Every computed position (the last token is never fed back); output positions start at P-1.
+    expected = p.prompt_len + p.output_len - 1 if config == "c" else p.output_len
+    drainer = None
+    server_pids = group_pids(server.handle.proc.pid)
+    daemon_pid = server.daemon.proc.pid if server.daemon is not None else None
+    if config in CAPTURING:
+        drainer = Drainer(server.endpoint, threads=2 * p.concurrency + 4, vocab=vocab, layers=p.tap_layers)
+    before = {"server": _cpu(server_pids), "daemon": proc_cpu_seconds(daemon_pid) if daemon_pid else 0.0}
+    client_cpu0 = time.process_time()
+    drops0 = _drops(server)
+    load0 = loadavg()[0]
+    wall0 = time.time()
+    on_send = (lambda i: drainer.add(keys[i], expected)) if drainer is not None else None
+    try:
+        results, t0, t1 = asyncio.run(_load(server.handle.base_url, bodies, p.concurrency, on_send))
+        t_http_end = time.time()
+        drained: list[dict[str, Any]] = []
+        drainer_cpu = 0.0
+        if drainer is not None:
+            drained = drainer.finish(timeout=300)
+            drainer_cpu = drainer.cpu_s
+            drainer = None
+    finally:
+        if drainer is not None:
+            drainer.stop()
+    cpu = {"server": _cpu(server_pids) - before["server"],
+           "daemon": (proc_cpu_seconds(daemon_pid) - before["daemon"]) if daemon_pid else 0.0,
+           "client": time.process_time() - client_cpu0}
+    out = _metrics(results, t0, t1, p)
+    out.update(config=config, requests=n, cpu_s=cpu, loadavg1=load0, started=wall0)
+    if config in CAPTURING:
+        out["drain"] = _drain_summary(drained, n, expected, t_http_end)
+        out["cpu_s"]["drainer"] = drainer_cpu
+        out["ring_drops"] = _drops(server) - drops0
+    return out
+
+
+def _drops(server: _Server) -> int:
+    if server.daemon is None:
+        return 0
+    from vllm_tap.client import Client
+
+    try:
+        return int(Client(server.endpoint).status(timeout=10)["drops"]["records"])
+    except Exception:
+        return -1
+
+
+def _metrics(results: list[_Result], t0: float, t1: float, p: ServingParams) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    ttft = [r.events[0] - r.start for r in ok if r.events]
+    itl = [b - a for r in ok for a, b in zip(r.events, r.events[1:])]
+    tpot = [(r.events[-1] - r.events[0]) / (r.output_tokens - 1) for r in ok if r.events and r.output_tokens > 1]
+    tokens = sum(r.output_tokens for r in ok)
+    wall = t1 - t0
+    return {
+        "ok": len(ok), "failed": len(results) - len(ok), "errors": sorted({r.error for r in results if r.error})[:3],
+        "output_tokens": tokens, "tokens_per_request_ok": all(r.output_tokens == p.output_len for r in ok),
+        "wall_s": wall, "tok_s": tokens / wall if wall > 0 else float("nan"),
+        "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+        "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p99_ms": 1e3 * percentile(itl, 99),
+        "tpot_ms": 1e3 * median(tpot), "events_per_request": median(len(r.events) for r in ok),
+        "bytes_per_request": median(r.nbytes for r in ok), "bytes_per_token": (
+            sum(r.nbytes for r in ok) / tokens if tokens else float("nan")),
+    }
+
+
+def _drain_summary(drained: list[dict[str, Any]], n: int, expected: int, t_http_end: float) -> dict[str, Any]:
+    complete = [d for d in drained if d["positions"] == expected and d["missing"] == 0 and d["gaps"] == 0
+                and d["in_order"] and d["shape_ok"] and not d["error"]]
+    return {
+        "captures": len(drained), "complete": len(complete), "expected_captures": n,
+        "positions": sum(d["positions"] for d in drained), "expected_positions": n * expected,
+        "missing": sum(max(d["missing"], 0) + d["gaps"] for d in drained),
+        "bytes": sum(d["bytes"] for d in drained),
+        "lag_s": max((d["done"] for d in drained), default=t_http_end) - t_http_end,
+        "errors": sorted({d["error"] for d in drained if d["error"]})[:3],
+    }
+
+
+# -- the whole bench --
+
+
+def _model_path(p: ServingParams, vocab: int) -> tuple[str, ModelSpec]:
+    from vllm_tap.tiny_model import TinyLlamaSpec, make_tiny_llama
+
+    spec = ModelSpec(**{**asdict(p.model), "vocab_size": vocab})
+    path = os.path.join(p.models_dir, spec.name())
+    make_tiny_llama(path, TinyLlamaSpec(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_layers=spec.num_layers, num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads, intermediate_size=spec.intermediate_size,
+        max_position_embeddings=max(2048, p.max_model_len)))
+    return path, spec
+
+
+def _warmup(server: _Server, model_path: str, p: ServingParams, vocab: int, echo, brief: bool = False) -> None:
+    """Unmeasured requests. At start-up: one wave of full requests and a capture of each kind, so
+    no measured run pays first-request costs. Brief (before every run): one wave of short requests,
+    because a server that sat idle while the other one was measured runs its first requests slowly
+    (seconds on this machine) and that would land on whichever configuration comes first."""
+    texts = prompts(p, vocab, seed=10**6 + time.time_ns() % 10**6, n=p.concurrency)
+    short = ServingParams(**{**asdict(p), "model": p.model, "output_len": 4})
+    bodies = [request_body(model_path, texts[i], short if brief else p, "a", "", vocab) for i in range(p.concurrency)]
+    if server.kind == "tap" and not brief:  # and captures, so the first measured capture run is not the first
+        bodies += [request_body(model_path, texts[0], short, c, f"warmup-{c}-{time.time_ns()}", vocab) for c in CAPTURING]
+    results, _, _ = asyncio.run(_load(server.handle.base_url, bodies, p.concurrency))
+    bad = [r.error for r in results if not r.ok]
+    if bad:
+        raise RuntimeError(f"warm-up requests failed: {bad[0]}")
+
+
+def run_point(p: ServingParams, vocab: int, configs: list[str], workdir: str, echo=print) -> dict[str, Any]:
+    model_path, spec = _model_path(p, vocab)
+    kinds = [k for k in ("plain", "tap") if any(SERVER_OF[c] == k for c in configs)]
+    shm = tempfile.mkdtemp(prefix="vllm-tap-bench-srv-", dir="/dev/shm")
+    sock = tempfile.mkdtemp(prefix="vtb-")
+    servers: dict[str, _Server] = {}
+    started: list[Any] = []  # every server and daemon process, stopped in `finally` (servers first)
+    runs: list[dict[str, Any]] = []
+    t_start = time.time()
+    load0 = loadavg()
+    try:
+        for kind in kinds:
+            servers[kind] = _start_server(kind, model_path, p, vocab, workdir, shm, sock, started, echo)
+            _warmup(servers[kind], model_path, p, vocab, echo)
+        for r in range(p.repeats):
+            order = configs[r % len(configs):] + configs[: r % len(configs)]
+            for config in order:
+                seed = 1000 * r + list(CONFIGS).index(config)  # a fresh request set per run
+                _warmup(servers[SERVER_OF[config]], model_path, p, vocab, echo, brief=True)
+                run = _run_config(servers[SERVER_OF[config]], config, model_path, p, vocab, seed, f"v{vocab}-r{r}-{config}")
+                run["repeat"] = r
+                runs.append(run)
+                extra = ""
+                if config in CAPTURING:
+                    d = run["drain"]
+                    extra = (f"  drained {d['complete']}/{d['expected_captures']} captures, "
+                             f"{d['positions']}/{d['expected_positions']} positions, {d['bytes'] / 1e9:.2f} GB, "
+                             f"lag {d['lag_s']:.2f} s")
+                echo(f"  v{vocab} r{r} ({config}) {run['tok_s']:.1f} tok/s  TTFT p50 {run['ttft_p50_ms']:.0f} ms  "
+                     f"ITL p50/p99 {run['itl_p50_ms']:.1f}/{run['itl_p99_ms']:.1f} ms  "
+                     f"{run['bytes_per_request'] / 1e3:.0f} kB/request{extra}"
+                     f"{'  FAILED ' + str(run['errors']) if run['failed'] else ''}")
+    finally:
+        from vllm_tap.launch import DaemonHandle
+
+        for h in sorted(started, key=lambda h: isinstance(h, DaemonHandle)):
+            try:
+                h.stop()
+            except Exception:
+                log.exception("stopping %s", h)
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(sock, ignore_errors=True)
+    return {"vocab": vocab, "model": asdict(spec), "model_params": spec.params(), "model_path": model_path,
+            "configs": configs, "runs": runs, "summary": summarise(runs, configs, p.repeats),
+            "loadavg_start": load0, "loadavg_end": loadavg(), "seconds": time.time() - t_start}
+
+
+RATIO_METRICS = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_ms")
+
+
+def summarise(runs: list[dict[str, Any]], configs: list[str], repeats: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for c in configs:
+        rs = [r for r in runs if r["config"] == c]
+        if not rs:
+            continue
+        row: dict[str, Any] = {m: median(r[m] for r in rs) for m in RATIO_METRICS}
+        row["bytes_per_request"] = median(r["bytes_per_request"] for r in rs)
+        row["bytes_per_token"] = median(r["bytes_per_token"] for r in rs)
+        row["requests"] = rs[0]["requests"]
+        row["failed"] = sum(r["failed"] for r in rs)
+        row["cpu_s"] = {k: median(r["cpu_s"].get(k, 0.0) for r in rs) for k in rs[0]["cpu_s"]}
+        ratios: dict[str, Any] = {}
+        for m in RATIO_METRICS:
+            per = []
+            for r in rs:
+                base = [a for a in runs if a["config"] == "a" and a["repeat"] == r["repeat"]]
+                if base and base[0][m] > 0:
+                    per.append(r[m] / base[0][m])
+            ratios[m] = {"median": median(per), "range": spread(per), "n": len(per)}
+        row["ratio_to_a"] = ratios
+        if c in CAPTURING:
+            ds = [r["drain"] for r in rs]
+            row["drain"] = {
+                "complete_captures": sum(d["complete"] for d in ds), "captures": sum(d["expected_captures"] for d in ds),
+                "positions": sum(d["positions"] for d in ds), "expected_positions": sum(d["expected_positions"] for d in ds),
+                "missing": sum(d["missing"] for d in ds), "gb": sum(d["bytes"] for d in ds) / 1e9,
+                "lag_s": median(d["lag_s"] for d in ds), "ring_drops": sum(max(r.get("ring_drops", 0), 0) for r in rs),
+                "gb_per_s": median(d["bytes"] / r["wall_s"] / 1e9 for d, r in zip(ds, rs)),
+            }
+        out[c] = row
+    if "c" in out and "d" in out:
+        per = []
+        for r in (x for x in runs if x["config"] == "c"):
+            d = [x for x in runs if x["config"] == "d" and x["repeat"] == r["repeat"]]
+            if d and d[0]["tok_s"] > 0:
+                per.append(r["tok_s"] / d[0]["tok_s"])
+        out["c_over_d"] = {"median": median(per), "range": spread(per)}
+    return out
+
+
+def run(p: ServingParams, workdir: str, echo=print) -> dict[str, Any]:
+    points = []
+    t0 = time.time()
+    for k, vocab in enumerate(p.vocab_sizes):
+        configs = p.configs if k == 0 else [c for c in p.extra_point_configs if c in CONFIGS]
+        echo(f"serving: vocab {vocab}, configs {''.join(configs)}, {p.num_requests} requests x "
+             f"({p.prompt_len} prompt + {p.output_len} output), concurrency {p.concurrency}, {p.repeats} repeats")
+        points.append(run_point(p, vocab, configs, workdir, echo))
+    return {"params": _params_dict(p), "points": points, "seconds": time.time() - t0}
+
+
+def _params_dict(p: ServingParams) -> dict[str, Any]:
+    d = asdict(p)
+    d["model"] = asdict(p.model)
+    return d
