@@ -370,13 +370,7 @@ class Daemon:
     def _fail(self, sub: _Sub, code: str, message: str, flush_s: float = 1.0) -> None:
         """End a subscription with an error message (sent as soon as the socket takes it)."""
         self._pending.discard(sub)
-        if sub.entry is not None:
-            subs = self._by_key.get(sub.entry.key)
-            if subs is not None:
-                subs.discard(sub)
-                if not subs:
-                    del self._by_key[sub.entry.key]
-            sub.entry = None
+        self._detach(sub)
         sub.frames = None
         sub.final = wf.error_frames(code, message, sub.req.id)
         sub.final_deadline = time.monotonic() + flush_s
@@ -394,6 +388,10 @@ class Daemon:
             del self._subs[sub.key]
         self._pending.discard(sub)
         self._active.discard(sub)
+        self._detach(sub)
+
+    def _detach(self, sub: _Sub) -> None:
+        """Stop feeding the subscription live events of its capture."""
         if sub.entry is not None:
             subs = self._by_key.get(sub.entry.key)
             if subs is not None:

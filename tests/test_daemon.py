@@ -88,6 +88,8 @@ def test_late_subscribe_after_the_end_and_a_clear_error_after_eviction(daemon_fa
     late = d.client().fetch(sc.request_id(5), timeout=5)  # ended before we asked
     assert_capture(sc, 5, capture_arrays(late))
     assert late.finish_reason == "length" and late.missing_positions == [] and late.num_prompt_tokens == sc.prompt_len
+    # Retention is enforced by the daemon's loop, not inside the status call: wait for its pass.
+    _wait(lambda: d.status()["evicted_requests"] >= 1, what="retention to evict")
     s = d.status()
     assert 0 < s["retained_requests"] < 6 and s["evicted_requests"] >= 1 and s["retained_bytes"] <= 3 * one + 8 * 1024
     t = time.monotonic()
