@@ -101,17 +101,17 @@ def _poll(row: dict[str, Any]) -> str:
 
 def _machine(results: dict[str, Any]) -> list[str]:
     m = results.get("machine", {})
-    load = [results.get(k, {}).get("loadavg_start") for k in ("hook", "transport")]
+    load = [(k, results.get(k, {}).get("loadavg_start")) for k in ("hook", "transport")]
     sv = results.get("serving")
     if sv:
-        load += [p.get("loadavg_start") for p in sv["points"]]
-    loads = [l[0] for l in load if l]
+        load += [(f"serving V={p['vocab']}", p.get("loadavg_start")) for p in sv["points"]]
+    loads = [f"{k} {l[0]:.1f}" for k, l in load if l]
     lines = [
         f"Measured {m.get('started', '?')} on {m.get('cpu', '?')}, {m.get('cpus', '?')} CPUs, {m.get('mem_gib', '?')} GiB, "
         f"Python {m.get('python', '?')}; vLLM CPU backend (float32, eager).",
     ]
     if loads:
-        lines.append(f"1-minute load average when the parts started: {', '.join(f'{x:.1f}' for x in loads)} "
+        lines.append(f"1-minute load average when the parts started: {', '.join(loads)} "
                      f"(on {m.get('cpus', '?')} CPUs: other jobs shared the machine; configurations are interleaved "
                      "and repeated, and medians and within-repeat ratios are reported to absorb that).")
     return lines
