@@ -40,14 +40,8 @@ class Publisher:
         start, misaligned = divmod(offset, size)
         if misaligned:
             raise ValueError(f"ring offset {offset} is not aligned for {dtype}")
-        if len(shape) == 2:
-            strides: tuple[int, ...] = (shape[1], 1)
-        else:
-            acc, rev = 1, []
-            for s in reversed(shape):
-                rev.append(acc)
-                acc *= s
-            strides = tuple(reversed(rev))
+        # Payloads are [n, width], token ids [n]: both contiguous.
+        strides = (shape[1], 1) if len(shape) == 2 else (1,)
         return torch.as_strided(base, shape, strides, start)
 
     def copy(self, res: Reservation, src: torch.Tensor | list[torch.Tensor], token_ids: torch.Tensor | None) -> None:

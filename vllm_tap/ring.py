@@ -354,9 +354,7 @@ class RingWriter:
         return out
 
     def commit(self, res: Reservation) -> None:
-        with self._lock:
-            res.done = True
-            self._publish()
+        self.commit_many((res,))
 
     def commit_many(self, reservations: Iterable[Reservation]) -> None:
         """Commit several reservations at once (one lock, one publish): a step's records."""
