@@ -29,6 +29,7 @@ from vllm_tap.daemon.config import DaemonConfig
 from vllm_tap.daemon.messages import Frames, encode
 from vllm_tap.daemon.reassembly import Begin, Event, Reassembler
 from vllm_tap.daemon.store import Entry, LookupFailed, Store
+from vllm_tap.doorbell import Doorbell
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class _Counters:
     subscribers_too_slow: int = 0
     bad_requests: int = 0
     corrupt_rings_skipped: int = 0
+    doorbell_wakeups: int = 0
     by_type: dict[str, int] = field(default_factory=dict)
 
 
@@ -151,6 +153,7 @@ class Daemon:
         self._latency = Histogram()
         self.counters = _Counters()
         self._last_scan = self._last_tick = -1e9
+        self._doorbell: Doorbell | None = None  # writers wake us through it; bound once shm_dir exists
 
     # -- control --
 
@@ -197,6 +200,9 @@ class Daemon:
         idle_since = time.monotonic()
         last_on_tick = 0.0
         interval = max(self.config.poll_interval_s, 0.0)
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        polled_bell = None
         while not self._stopping:
             with self._lock:
                 now = time.monotonic()
@@ -207,11 +213,22 @@ class Daemon:
             if busy:
                 idle_since = now
                 continue
+            bell = self._doorbell
+            if bell is not None:
+                # Writers ring after every commit: wait for that or a request. The timer is only a
+                # backstop for a writer that could not ring (no permission, a lost wake-up).
+                if polled_bell is not bell:
+                    poller.register(bell.fileno(), zmq.POLLIN)
+                    polled_bell = bell
+                woke = dict(poller.poll(timeout=max(interval, IDLE_SLEEP_S) * 1000))
+                if bell.fileno() in woke:
+                    self.counters.doorbell_wakeups += bell.drain()
+                continue
             sleep = interval if now - idle_since < IDLE_AFTER_S else max(interval, IDLE_SLEEP_S)
-            # Waiting on the socket wakes us at once for a request; rings have no wake-up, so poll.
-            # zmq's poll counts whole milliseconds: a shorter interval would round up to 1 ms, and
-            # that wait was the floor of the commit-to-subscriber latency. Below 1 ms, sleep the
-            # interval instead (a request then waits at most that long).
+            # No doorbell (no shm directory yet): poll the rings. zmq's poll counts whole
+            # milliseconds: a shorter interval would round up to 1 ms, and that wait was the floor
+            # of the commit-to-subscriber latency. Below 1 ms, sleep the interval instead (a
+            # request then waits at most that long).
             if sleep < 0.001:
                 time.sleep(sleep)
             else:
@@ -254,6 +271,8 @@ class Daemon:
             elif now - ring.checked >= LIVENESS_INTERVAL_S:
                 ring.checked = now
                 self._check_alive(ring, now)
+        if self._doorbell is None:
+            self._doorbell = Doorbell.bind(self.config.shm_dir)
         try:
             instances = [e for e in os.scandir(self.config.shm_dir) if e.is_dir() and not e.name.startswith(".")]
         except (FileNotFoundError, NotADirectoryError, PermissionError):
@@ -521,6 +540,9 @@ class Daemon:
             ring.reader.close()  # read cursors live in the files and are current after every poll
         self._rings.clear()
         self._order = []
+        if self._doorbell is not None:
+            self._doorbell.close()
+            self._doorbell = None
 
     # -- status --
 
@@ -555,6 +577,9 @@ class Daemon:
             "uptime_s": time.time() - self._started_at,
             "endpoint": self.endpoint,
             "shm_dir": self.config.shm_dir,
+            # Writers wake the daemon through it; null: it polls the rings on a timer.
+            "doorbell": self._doorbell.path if self._doorbell is not None else None,
+            "doorbell_wakeups": c.doorbell_wakeups,
             "rings": rings,
             "requests_in_flight": sum(r.in_flight() for r in self._reasm.values()),
             "requests": requests[:100],

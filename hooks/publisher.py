@@ -1,5 +1,9 @@
 """Moving captured rows from the model's tensors into ring reservations.
 
+A record's payload is filled from one or two segments (a tensor and the rows of it to take); rows
+that form one run are a slice, others a gather (index_select) straight into the ring on CPU, or
+on the device first and then into the ring on CUDA.
+
 On CUDA the ring is page-locked once (cudaHostRegister) so each copy is an asynchronous
 device-to-host DMA queued on the compute stream right behind the forward that produced the
 tensors: no sync on the serving path, and the copy is ordered before the next step can overwrite
@@ -14,6 +18,7 @@ import logging
 import queue
 import threading
 
+import numpy as np
 import torch
 
 from vllm_tap.ring import Reservation, RingWriter
@@ -44,27 +49,36 @@ class Publisher:
         strides = (shape[1], 1) if len(shape) == 2 else (1,)
         return torch.as_strided(base, shape, strides, start)
 
-    def copy(self, res: Reservation, src: torch.Tensor | list[torch.Tensor], token_ids: torch.Tensor | None) -> None:
-        """Queue the copy of src [n, w] (or of row blocks to stack, each [k, w]: copied one after
-        the other, never concatenated first) and of its token ids into the reservation
-        (token_ids=None: the writer already stored them, from the host)."""
-        if isinstance(src, list):
-            n = sum(p.shape[0] for p in src)
-            dst = self._view(res.payload_offset, src[0].dtype, (n, src[0].shape[1]))
-            at = 0
-            for part in src:
-                k = part.shape[0]
-                self._copy_into(dst[at : at + k], part)
-                at += k
+    def fill(self, res: Reservation, dtype: torch.dtype, width: int, n: int,
+             segments: list[tuple[torch.Tensor, np.ndarray | None]],
+             device_ids: tuple[torch.Tensor, np.ndarray] | None = None) -> None:
+        """Queue the copy of a record's payload: the rows `index` (all when None) of each segment's
+        tensor, one segment after the other, converted to `dtype`; and, when the token ids live on
+        the accelerator, of device_ids = (ids tensor, flat rows) into the record's id area.
+        n: the record's rows, all segments together."""
+        dst = self._view(res.payload_offset, dtype, (n, width))
+        if len(segments) == 1:
+            self._gather_into(dst, *segments[0])
         else:
-            n = src.shape[0]
-            self._copy_into(self._view(res.payload_offset, src.dtype, tuple(src.shape)), src)
-        if token_ids is not None:
-            self._copy_into(self._view(res.token_ids_offset, torch.int32, (n,)), token_ids)
+            at = 0
+            for src, index in segments:
+                k = src.shape[0] if index is None else len(index)
+                self._gather_into(dst[at : at + k], src, index)
+                at += k
+        if device_ids is not None:
+            ids, rows = device_ids
+            self._gather_into(self._view(res.token_ids_offset, torch.int32, (n,)), ids, rows)
         self._step.append(res)
 
-    def _copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
+    def _gather_into(self, dst: torch.Tensor, src: torch.Tensor, index: np.ndarray | None) -> None:
+        rows = _slice_rows(src, index)
+        if rows is not None:
+            # Contiguous rows (a decode batch in which every request captures; a prefill chunk): a slice.
+            dst.copy_(rows)
+        elif dst.dtype == src.dtype:
+            torch.index_select(src, 0, torch.from_numpy(index), out=dst)
+        else:
+            dst.copy_(src.index_select(0, torch.from_numpy(index)))
 
     def end_step(self) -> None:
         if self._step:
@@ -87,8 +101,13 @@ class CudaPublisher(Publisher):
         self._thread = threading.Thread(target=self._run, name="vllm-tap-publisher", daemon=True)
         self._thread.start()
 
-    def _copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src, non_blocking=True)
+    def _gather_into(self, dst: torch.Tensor, src: torch.Tensor, index: np.ndarray | None) -> None:
+        # Gather on the device first (one kernel into a stream-ordered temporary, freed safely after
+        # the copy is queued on the same stream), then one async DMA into the registered ring.
+        rows = _slice_rows(src, index)
+        if rows is None:
+            rows = src.index_select(0, torch.from_numpy(index).to(src.device, non_blocking=True))
+        dst.copy_(rows, non_blocking=True)
 
     def end_step(self) -> None:
         if not self._step:
@@ -110,6 +129,23 @@ class CudaPublisher(Publisher):
     def close(self) -> None:
         self._q.put(None)
         self._thread.join(timeout=5)
+
+
+def gather_rows(src: torch.Tensor, index: np.ndarray | None, device: torch.device) -> torch.Tensor:
+    """src's rows `index` (all when None) as a tensor on src's device (a view when contiguous)."""
+    rows = _slice_rows(src, index)
+    return rows if rows is not None else src.index_select(0, torch.from_numpy(index).to(device, non_blocking=True))
+
+
+def _slice_rows(src: torch.Tensor, index: np.ndarray | None) -> torch.Tensor | None:
+    """src's rows `index` as a view when they are one run (index ascending, as every row index
+    here is; None = all rows), else None: then they need a gather."""
+    if index is None:
+        return src
+    a, b = int(index[0]), int(index[-1])
+    if b - a + 1 != len(index):
+        return None
+    return src if a == 0 and b + 1 == src.shape[0] else src[a : b + 1]
 
 
 def make_publisher(writer: RingWriter, device: torch.device) -> Publisher:

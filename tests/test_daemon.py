@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 import threading
@@ -356,6 +357,8 @@ def test_in_process_daemon_hooks_snapshot_and_stop_from_another_thread(shm_dir):
         assert_capture(sc, 0, capture_arrays(cap))
         snap = d.snapshot()
         assert len(snap["rings"]) == 3 and snap["retained_requests"] == 1 and snap["subscribers_total"] == 1
+        # The writers woke the daemon through its doorbell rather than waiting for its timer.
+        assert snap["doorbell"] == os.path.join(shm_dir, ".doorbell") and snap["doorbell_wakeups"] > 0
         time.sleep(0.3)
     finally:
         d.stop("test over")

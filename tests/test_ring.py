@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from vllm_tap import ring_format as rf
-from vllm_tap.records import TensorId
+from vllm_tap.records import RequestRef, RequestTable, TensorId
 from vllm_tap.ring import RingFormatError, RingReader, RingWriter, read_info, ring_path
 
 LOGITS = TensorId(rf.TensorKind.LOGITS)
@@ -50,6 +50,56 @@ def test_roundtrip_fields_and_bytes(shm_dir):
     assert r.poll() == []
     info = r.info()
     assert info.stats["records_written"] == 2 and info.backlog_bytes == 0 and info.writer_pid == os.getpid()
+    w.close(unlink=True)
+    r.close()
+
+
+def _rows(slots, positions, ids) -> np.ndarray:
+    return np.ascontiguousarray([slots, positions, ids], dtype=np.int32)
+
+
+def test_one_record_carries_many_requests_and_reads_back_as_one_record_each(shm_dir):
+    path = ring_path(shm_dir, "inst", 0)
+    w = RingWriter(path, 1 << 16)
+    r = RingReader(path)
+    table = RequestTable([RequestRef("a", "ka", 5, 1, 3), RequestRef("b", "", 9, 2, 1), RequestRef("idle")])
+    # a's prompt rows first, then the step's sampled rows (b's, then a's last): rows interleave.
+    rows = _rows([0, 0, 1, 0], [3, 4, 9, 5], [30, 40, 90, 50])
+    res = w.reserve_rows(table, rows, HID3, dtype=rf.DType.FLOAT32, width=2, step=4, slice_=(2, 4), full_dim=8)
+    data = np.arange(8, dtype=np.float32).reshape(4, 2)
+    res.payload[:] = data.view(np.uint8).reshape(-1)
+    w.commit(res)
+    a, b = r.poll()
+    assert (a.request_id, a.tap_key, a.num_prompt_tokens, a.expected_ranks, a.rank_parts) == ("a", "ka", 5, 1, 3)
+    assert list(a.positions) == [3, 4, 5] and list(a.token_ids) == [30, 40, 50]
+    np.testing.assert_array_equal(a.data, data[[0, 1, 3]])
+    assert (b.request_id, b.tap_key, b.num_prompt_tokens, b.expected_ranks, b.rank_parts) == ("b", "", 9, 2, 1)
+    assert list(b.positions) == [9] and list(b.token_ids) == [90]
+    np.testing.assert_array_equal(b.data, data[[2]])
+    for d in (a, b):
+        assert (d.tensor, d.step, d.slice_start, d.slice_stop, d.full_dim) == (HID3, 4, 2, 4, 8)
+    assert r.info().stats["records_written"] == 1
+    # Too big for the ring: one drop counted, one DROP per request that had rows in it.
+    assert w.reserve_rows(table, rows, LOGITS, dtype=rf.DType.FLOAT32, width=1 << 14) is None
+    w.flush()
+    drops = {d.request_id: d.meta for d in r.poll()}
+    assert drops == {"a": {"tensor": int(rf.TensorKind.LOGITS), "layer": -1, "positions": [3, 4, 5]},
+                     "b": {"tensor": int(rf.TensorKind.LOGITS), "layer": -1, "positions": [9]}}
+    assert r.info().stats["records_dropped"] == 1
+    w.close(unlink=True)
+    r.close()
+
+
+def test_a_record_naming_a_request_outside_its_table_is_skipped_alone(shm_dir):
+    path = ring_path(shm_dir, "inst", 0)
+    w = RingWriter(path, 1 << 16)
+    r = RingReader(path)
+    table = RequestTable([RequestRef("a")])
+    for slots in ([0, 5], [0, 0]):  # the first names slot 5 of a one-entry table
+        res = w.reserve_rows(table, _rows(slots, [1, 2], [0, 0]), LOGITS, dtype=rf.DType.FLOAT32, width=1)
+        w.commit(res)
+    (good,) = r.poll()
+    assert list(good.positions) == [1, 2] and r.corrupt == 1
     w.close(unlink=True)
     r.close()
 

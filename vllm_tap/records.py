@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import numpy as np
 
-from vllm_tap.ring_format import RecordKind, TensorKind
+from vllm_tap.ring_format import RecordKind, TensorKind, msgpack_array_header
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,40 @@ class TensorId:
 
         base = TENSOR_NAMES[self.kind]
         return f"{base}.{self.layer}" if self.kind == TensorKind.HIDDEN else base
+
+
+@dataclass(frozen=True)
+class RequestRef:
+    """One request's entry in a DATA record's request table (ring_format.REQUEST_FIELDS)."""
+
+    request_id: str
+    tap_key: str = ""
+    num_prompt_tokens: int = 0
+    expected_ranks: int = 1  # ranks that write records for one of its steps
+    rank_parts: int = 1  # records (tensors) this rank writes for one of its steps
+
+    def packed(self) -> bytes:
+        return msgpack.packb(
+            [self.request_id, self.tap_key, self.num_prompt_tokens, self.expected_ranks, self.rank_parts],
+            use_bin_type=True,
+        )
+
+
+class RequestTable:
+    """The requests a step's DATA records refer to, packed once and shared by all of them.
+
+    `packed` entries are RequestRef.packed() bytes, which a writer caches per request: building a
+    step's table is then one join, whatever the number of requests."""
+
+    __slots__ = ("refs", "blob")
+
+    def __init__(self, refs: list[RequestRef], packed: list[bytes] | None = None):
+        self.refs = refs
+        entries = packed if packed is not None else [r.packed() for r in refs]
+        self.blob = msgpack_array_header(len(refs)) + b"".join(entries)
+
+    def __len__(self) -> int:
+        return len(self.refs)
 
 
 @dataclass

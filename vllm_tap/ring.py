@@ -30,7 +30,8 @@ import msgpack
 import numpy as np
 
 from vllm_tap import ring_format as rf
-from vllm_tap.records import RingRecord, TensorId
+from vllm_tap.doorbell import DoorbellPush, doorbell_path
+from vllm_tap.records import RequestRef, RequestTable, RingRecord, TensorId
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +42,15 @@ DEFAULT_SHM_DIR = "/dev/shm/vllm-tap"
 _ITEMSIZE = {int(code): rf.storage_dtype(code).itemsize for code in rf.DType}
 _RECORDS_WRITTEN = rf.STATS_FIELDS.index("records_written")
 _BYTES_WRITTEN = rf.STATS_FIELDS.index("bytes_written")
+_ROW_DTYPE = np.dtype("<i4")
 
 
 class RingFormatError(RuntimeError):
     """The file is not a ring this version can read."""
+
+
+class _Corrupt(ValueError):
+    """A record whose header looked sane but whose body does not add up."""
 
 
 def instance_dir(shm_dir: str, instance: str) -> str:
@@ -118,6 +124,7 @@ class RingWriter:
         mode: int = 0o600,
         group: str | None = None,
         block_timeout: float = 0.0,
+        wake_daemon: bool = True,
     ):
         if capacity < 4 * rf.ALIGN or capacity % rf.ALIGN:
             raise ValueError(f"ring capacity must be a multiple of {rf.ALIGN} and at least {4 * rf.ALIGN}")
@@ -161,6 +168,8 @@ class RingWriter:
         self._lock = threading.Lock()
         # Control records (BEGIN/END/DROP) wait here when the ring is full, in order.
         self._backlog: collections.deque[tuple[rf.RecordKind, str, str, dict[str, Any]]] = collections.deque()
+        # Rings live in <shm_dir>/<instance>/; the daemon's doorbell is in <shm_dir>.
+        self._doorbell = DoorbellPush(doorbell_path(os.path.dirname(dirname))) if wake_daemon else None
 
     # The whole mapping, for frameworks that want to view the ring as one host tensor.
     @property
@@ -226,20 +235,20 @@ class RingWriter:
             self._stats["last_write_ns"].set(time.time_ns())
 
     def _encode_header(
-        self, at: int, total: int, kind: rf.RecordKind, key: bytes, meta: bytes, n: int,
+        self, at: int, total: int, kind: rf.RecordKind, key: bytes, meta: bytes, n_rows: int,
         payload_off: int, *, tensor: TensorId | None = None, dtype: int = 0, step: int = 0,
-        expected_ranks: int = 1, rank_parts: int = 1, slice_: tuple[int, int] = (0, 0),
-        full_dim: int = 0, num_prompt_tokens: int = 0,
+        n_requests: int = 0, slice_: tuple[int, int] = (0, 0), full_dim: int = 0,
     ) -> None:
         rank16 = rf.ENGINE_RANK_U16 if self.rank == rf.ENGINE_RANK else self.rank
         rf.RECORD_HEADER.pack_into(
             self._data, at, rf.RECORD_MAGIC, total, kind, tensor.kind if tensor else 0, dtype, 0,
-            tensor.layer if tensor else -1, rank16, expected_ranks, rank_parts, n, len(key), 0,
-            len(meta), step, slice_[0], slice_[1], full_dim, num_prompt_tokens, payload_off,
+            tensor.layer if tensor else -1, rank16, n_rows, n_requests, len(key), 0, len(meta), step,
+            slice_[0], slice_[1], full_dim, payload_off,
         )
         # Byte strings go in through the mapping itself: a slice store, no numpy wrapper per call.
         base = rf.HEADER_SIZE + at + rf.RECORD_HEADER_SIZE
-        self._mm[base : base + len(key)] = key
+        if key:
+            self._mm[base : base + len(key)] = key
         if meta:
             self._mm[base + len(key) : base + len(key) + len(meta)] = meta
 
@@ -248,7 +257,7 @@ class RingWriter:
     def _write_control_now(self, kind: rf.RecordKind, request_id: str, tap_key: str, meta: dict) -> bool:
         key = request_id.encode() + rf.KEY_SEPARATOR + tap_key.encode()
         mb = msgpack.packb(meta, use_bin_type=True)
-        _, _, _, payload_off = rf.body_layout(len(key), len(mb), 0)
+        *_, payload_off = rf.body_layout(len(key), len(mb), 0)
         total = rf.align_up(payload_off)
         got = self._try_reserve(total)
         if got is None:
@@ -274,11 +283,20 @@ class RingWriter:
         with self._lock:
             self._backlog.append((kind, request_id, tap_key, meta))
             self._flush_backlog()
+        self._wake()
 
     def flush(self) -> bool:
         """Retry queued control records; True when none are left waiting."""
+        if not self._backlog:
+            return True
         with self._lock:
-            return self._flush_backlog()
+            done = self._flush_backlog()
+        self._wake()
+        return done
+
+    def _wake(self) -> None:
+        if self._doorbell is not None:
+            self._doorbell.ring()
 
     # -- data records --
 
@@ -288,7 +306,7 @@ class RingWriter:
         tap_key: str = "", slice_: tuple[int, int] | None = None, full_dim: int | None = None,
         num_prompt_tokens: int = 0, expected_ranks: int = 1, rank_parts: int = 1,
     ) -> Reservation | None:
-        """Hold room for a [len(positions), width] slice; None (and counted as dropped) if full.
+        """Hold room for one request's [len(positions), width] slice; None (and counted as dropped) if full.
 
         token_ids=None leaves them for the caller to fill before commit (at token_ids_offset),
         e.g. by a device copy when the ids only exist on the accelerator.
@@ -304,54 +322,78 @@ class RingWriter:
         parts: list[tuple[TensorId, int, int, tuple[int, int], int]], *, step: int = 0, tap_key: str = "",
         num_prompt_tokens: int = 0, expected_ranks: int = 1, rank_parts: int | None = None,
     ) -> list[Reservation | None]:
-        """`reserve` for several tensors at the same positions (one request's step), in order.
+        """`reserve` for several tensors at the same positions of one request, in order.
 
         parts: (tensor, dtype code, width, (slice start, stop), full_dim) per record; rank_parts
-        defaults to len(parts). The records and drops are exactly those of one `reserve` per part;
-        the work they share (key, layout, positions, ids, the lock) is done once.
+        defaults to len(parts).
         """
         pos = np.ascontiguousarray(positions, dtype="<i4")
-        ids = None if token_ids is None else np.ascontiguousarray(token_ids, dtype="<i4")
-        n = len(pos)
-        key = request_id.encode() + rf.KEY_SEPARATOR + tap_key.encode()
-        _, pos_off, ids_off, payload_off = rf.body_layout(len(key), 0, n)
-        if rank_parts is None:
-            rank_parts = len(parts)
-        out: list[Reservation | None] = []
+        table = RequestTable([RequestRef(request_id, tap_key, num_prompt_tokens, expected_ranks,
+                                         len(parts) if rank_parts is None else rank_parts)])
+        rows = np.zeros((3, len(pos)), "<i4")
+        rows[1] = pos
+        if token_ids is not None:
+            rows[2] = np.asarray(token_ids)
+        return [self.reserve_rows(table, rows, tensor, dtype=dtype, width=width, slice_=slice_,
+                                  full_dim=full_dim, step=step)
+                for tensor, dtype, width, slice_, full_dim in parts]
+
+    def reserve_rows(
+        self, table: RequestTable, rows: np.ndarray, tensor: TensorId, *, dtype: int, width: int,
+        slice_: tuple[int, int] | None = None, full_dim: int | None = None, step: int = 0,
+    ) -> Reservation | None:
+        """Hold room for one step's rows of one tensor, for the requests of `table`.
+
+        rows: C-contiguous int32 [3, n]: per row its table entry (slot), its position and its token
+        id; the ids may be left for the caller to fill before commit (at token_ids_offset), e.g. by a
+        device copy when they only exist on the accelerator. The three lie in the record exactly as
+        in `rows`, so they go in with one store. A request's rows must be in position order among
+        themselves. None when it does not fit: counted as dropped and reported by one DROP record
+        per request that had rows in it.
+        """
+        if len(table) > rf.MAX_REQUESTS_PER_RECORD:
+            raise ValueError(f"a record holds at most {rf.MAX_REQUESTS_PER_RECORD} requests")
+        if rows.dtype != _ROW_DTYPE or rows.ndim != 2 or rows.shape[0] != 3 or not rows.flags.c_contiguous:
+            raise ValueError("rows must be a C-contiguous int32 array of shape [3, n]")
+        n = rows.shape[1]
+        itemsize = _ITEMSIZE.get(dtype) or rf.storage_dtype(dtype).itemsize  # the latter raises on a bad code
+        nbytes = n * width * itemsize
+        meta = table.blob
+        _, slots_off, _, ids_off, payload_off = rf.body_layout(0, len(meta), n)
+        total = rf.align_up(payload_off + nbytes)
         with self._lock:
-            for tensor, dtype, width, slice_, full_dim in parts:
-                itemsize = _ITEMSIZE.get(dtype) or rf.storage_dtype(dtype).itemsize  # the latter raises on a bad code
-                nbytes = n * width * itemsize
-                total = rf.align_up(payload_off + nbytes)
-                if self._backlog:  # nothing queued: nothing to flush (and nothing left to publish)
-                    self._flush_backlog()
-                got = self._reserve_blocking(total)
-                if got is None:
-                    self._bump("records_dropped")
-                    self._bump("bytes_dropped", total)
-                    self._backlog.append(
-                        (rf.RecordKind.DROP, request_id, tap_key,
-                         {"tensor": int(tensor.kind), "layer": tensor.layer, "positions": pos.tolist()})
-                    )
-                    self._stats["control_backlog"].set(len(self._backlog))
-                    out.append(None)
-                    continue
-                start, at = got
-                rel = at % self.capacity
-                self._encode_header(
-                    rel, total, rf.RecordKind.DATA, key, b"", n, payload_off, tensor=tensor, dtype=dtype,
-                    step=step, expected_ranks=expected_ranks, rank_parts=rank_parts, slice_=slice_,
-                    full_dim=full_dim, num_prompt_tokens=num_prompt_tokens,
-                )
-                at_file = rf.HEADER_SIZE + rel
-                self._mm[at_file + pos_off : at_file + pos_off + 4 * n] = pos
-                if ids is not None:
-                    self._mm[at_file + ids_off : at_file + ids_off + 4 * n] = ids
-                stats = self._stats_u64
-                stats[_RECORDS_WRITTEN] += 1
-                stats[_BYTES_WRITTEN] += total
-                out.append(self._push(start, at + total, rel + payload_off, nbytes, rel + ids_off))
-        return out
+            if self._backlog:  # nothing queued: nothing to flush (and nothing left to publish)
+                self._flush_backlog()
+            got = self._reserve_blocking(total)
+            if got is None:
+                self._drop(table, rows[0], rows[1], tensor, total)
+                return None
+            start, at = got
+            rel = at % self.capacity
+            self._encode_header(
+                rel, total, rf.RecordKind.DATA, b"", meta, n, payload_off, tensor=tensor, dtype=dtype, step=step,
+                n_requests=len(table), slice_=slice_ if slice_ is not None else (0, width),
+                full_dim=full_dim if full_dim is not None else width,
+            )
+            at_file = rf.HEADER_SIZE + rel + slots_off
+            self._mm[at_file : at_file + 12 * n] = rows
+            stats = self._stats_u64
+            stats[_RECORDS_WRITTEN] += 1
+            stats[_BYTES_WRITTEN] += total
+            return self._push(start, at + total, rel + payload_off, nbytes, rel + ids_off)
+
+    def _drop(self, table: RequestTable, slots: np.ndarray, positions: np.ndarray, tensor: TensorId, total: int) -> None:
+        self._bump("records_dropped")
+        self._bump("bytes_dropped", total)
+        slots = np.asarray(slots)
+        positions = np.asarray(positions)
+        for slot in np.unique(slots).tolist():
+            ref = table.refs[slot]
+            self._backlog.append(
+                (rf.RecordKind.DROP, ref.request_id, ref.tap_key,
+                 {"tensor": int(tensor.kind), "layer": tensor.layer, "positions": positions[slots == slot].tolist()})
+            )
+        self._stats["control_backlog"].set(len(self._backlog))
 
     def commit(self, res: Reservation) -> None:
         self.commit_many((res,))
@@ -362,6 +404,7 @@ class RingWriter:
             for res in reservations:
                 res.done = True
             self._publish()
+        self._wake()
 
     def write(self, request_id: str, tensor: TensorId, positions, token_ids, data: np.ndarray, **kw) -> bool:
         """Reserve, copy `data` ([n, width]) in, commit. False when the record was dropped."""
@@ -378,6 +421,8 @@ class RingWriter:
         return True
 
     def close(self, unlink: bool = False) -> None:
+        if self._doorbell is not None:
+            self._doorbell.close()
         self._buf = self._data = None  # type: ignore[assignment]
         self._write = self._read = None  # type: ignore[assignment]
         self._stats = {}
@@ -488,7 +533,11 @@ class RingReader:
                 self._lose(r, w, f"bad record magic {magic!r}")
                 r = w
                 break
-            out.append(self._decode(at))
+            try:
+                self._decode(at, out)
+            except (_Corrupt, ValueError, TypeError, msgpack.UnpackException) as e:
+                # One unreadable record: skip just it (its length was sane), keep reading after it.
+                self._lose(r, r + total, str(e))
             r += total
         self._read.set(r)
         return out
@@ -497,32 +546,55 @@ class RingReader:
         self.corrupt += 1
         log.error("ring %s corrupt at cursor %d (%s): skipping %d bytes", self.path, r, why, w - r)
 
-    def _decode(self, at: int) -> RingRecord:
-        (_, total, kind, tensor, dtype, _flags, layer, rank16, expected, parts, n, key_len, _pad,
-         meta_len, step, s0, s1, full_dim, n_prompt, payload_off) = rf.RECORD_HEADER.unpack_from(self._data, at)
-        meta_off, pos_off, ids_off, _ = rf.body_layout(key_len, meta_len, n)
-        base = at + rf.RECORD_HEADER_SIZE
-        key = bytes(self._data[base : base + key_len])
-        request_id, _, tap_key = key.partition(rf.KEY_SEPARATOR)
-        meta = msgpack.unpackb(bytes(self._data[at + meta_off : at + meta_off + meta_len]), raw=False) if meta_len else {}
-        positions = self._data[at + pos_off : at + pos_off + 4 * n].view("<i4").copy()
-        token_ids = self._data[at + ids_off : at + ids_off + 4 * n].view("<i4").copy()
-        data = None
+    def _decode(self, at: int, out: list[RingRecord]) -> None:
+        """Append the record at `at`: a control record as is, a DATA record as one RingRecord per
+        request with rows in it (each with private copies of its rows)."""
+        (_, total, kind, tensor, dtype, _flags, layer, rank16, n, n_requests, key_len, _pad,
+         meta_len, step, s0, s1, full_dim, payload_off) = rf.RECORD_HEADER.unpack_from(self._data, at)
+        meta_off, slots_off, pos_off, ids_off, _ = rf.body_layout(key_len, meta_len, n)
+        d = self._data
         kind = rf.RecordKind(kind)
-        if kind == rf.RecordKind.DATA:
-            dt = rf.storage_dtype(dtype)
-            width = s1 - s0
-            nbytes = n * width * dt.itemsize
-            data = self._data[at + payload_off : at + payload_off + nbytes].view(dt).reshape(n, width).copy()
-        return RingRecord(
-            kind=kind, request_id=request_id.decode(), tap_key=tap_key.decode(), step=step,
-            rank=rf.ENGINE_RANK if rank16 == rf.ENGINE_RANK_U16 else rank16,
-            expected_ranks=expected, rank_parts=parts,
-            tensor=TensorId(rf.TensorKind(tensor), layer) if tensor else None, dtype=dtype,
-            slice_start=s0, slice_stop=s1, full_dim=full_dim, num_prompt_tokens=n_prompt,
-            positions=positions, token_ids=token_ids, data=data, meta=meta,
-            source=self.name, epoch=self.epoch,
-        )
+        rank = rf.ENGINE_RANK if rank16 == rf.ENGINE_RANK_U16 else rank16
+        meta = msgpack.unpackb(bytes(d[at + meta_off : at + meta_off + meta_len]), raw=False) if meta_len else {}
+        if kind != rf.RecordKind.DATA:
+            key = bytes(d[at + rf.RECORD_HEADER_SIZE : at + rf.RECORD_HEADER_SIZE + key_len])
+            request_id, _, tap_key = key.partition(rf.KEY_SEPARATOR)
+            out.append(RingRecord(kind=kind, request_id=request_id.decode(), tap_key=tap_key.decode(), step=step,
+                                  rank=rank, meta=meta, source=self.name, epoch=self.epoch))
+            return
+        table = meta if isinstance(meta, list) else []
+        if len(table) != n_requests:
+            raise _Corrupt(f"request table has {len(table)} entries, header says {n_requests}")
+        slots = d[at + slots_off : at + pos_off].view("<i4")
+        positions = d[at + pos_off : at + ids_off].view("<i4")
+        token_ids = d[at + ids_off : at + ids_off + 4 * n].view("<i4")
+        dt = rf.storage_dtype(dtype)
+        width = s1 - s0
+        data = d[at + payload_off : at + payload_off + n * width * dt.itemsize].view(dt).reshape(n, width)
+        tid = TensorId(rf.TensorKind(tensor), layer)
+        if n and (slots.min() < 0 or slots.max() >= n_requests):
+            raise _Corrupt("row slot outside the request table")
+        if n_requests == 1 or n == 0:
+            groups = [(0, slice(None))] if n else []
+        else:
+            # Rows of one request may be spread over the record (a prefill's extra lm-head rows
+            # come before the batch's sampled rows): a stable sort by slot keeps each request's
+            # rows in their position order. Each request's rows are then taken with one copy.
+            order = None if np.all(slots[1:] >= slots[:-1]) else np.argsort(slots, kind="stable")
+            sorted_slots = slots if order is None else slots[order]
+            bounds = (np.flatnonzero(np.diff(sorted_slots)) + 1).tolist()
+            groups = [(int(sorted_slots[a]), slice(a, b) if order is None else order[a:b])
+                      for a, b in zip([0, *bounds], [*bounds, n])]
+        for slot, rows in groups:
+            request_id, tap_key, n_prompt, expected, parts = table[slot]
+            take = (lambda a: a[rows].copy()) if isinstance(rows, slice) else (lambda a: a[rows])
+            out.append(RingRecord(
+                kind=kind, request_id=request_id, tap_key=tap_key, step=step, rank=rank,
+                expected_ranks=expected, rank_parts=parts, tensor=tid, dtype=dtype,
+                slice_start=s0, slice_stop=s1, full_dim=full_dim, num_prompt_tokens=n_prompt,
+                positions=take(positions), token_ids=take(token_ids), data=take(data),
+                source=self.name, epoch=self.epoch,
+            ))
 
     def close(self) -> None:
         self._buf = self._data = None  # type: ignore[assignment]

@@ -13,7 +13,7 @@ import struct
 
 import numpy as np
 
-RING_FORMAT_VERSION = 1
+RING_FORMAT_VERSION = 2  # 2: DATA records carry rows of several requests (a request table)
 RING_MAGIC = b"VLLMTAP\x00"
 RING_SUFFIX = ".ring"
 
@@ -42,6 +42,10 @@ STATS_FIELDS = (
 # Reader liveness: pid and last poll time, so `status` can tell a stalled daemon.
 READER_OFFSET = 384
 _READER = struct.Struct("<IIQ")  # reader pid, pad, last_read_ns
+
+# The daemon's wake-up socket in the shm directory (vllm_tap.doorbell); the leading dot keeps it
+# out of the instance scan.
+DOORBELL_NAME = ".doorbell"
 
 # A ring whose writer is the engine core rather than a model rank (finish reasons).
 ENGINE_RANK = -1
@@ -124,12 +128,13 @@ RECORD_MAGIC = b"TAPR"
 RECORD_HEADER = struct.Struct(
     "<4sI"  # magic, total_len (header + body + padding, multiple of ALIGN)
     "BBBB"  # kind, tensor, dtype, flags
-    "hHHH"  # layer, rank (u16; 0xFFFF = engine), expected_ranks, rank_parts
-    "IHH"  # n_tokens, key_len, pad
-    "I"  # meta_len
+    "hH"  # layer, rank (u16; 0xFFFF = engine)
+    "I"  # n_rows (DATA; 0 for control records)
+    "I"  # n_requests in the request table (DATA)
+    "HH"  # key_len (control records), pad
+    "I"  # meta_len: msgpack meta (control) or the request table (DATA)
     "Q"  # step
     "III"  # slice_start, slice_stop, full_dim
-    "I"  # num_prompt_tokens
     "I"  # payload_offset from record start
 )
 assert RECORD_HEADER.size <= ALIGN
@@ -138,19 +143,40 @@ ENGINE_RANK_U16 = 0xFFFF
 # A PAD record needs only magic and length; any tail is a multiple of ALIGN, so it always fits.
 PAD_HEADER = struct.Struct("<4sI")
 
-# Key section: request id, NUL, tap key (may be empty). Every DATA record carries both, so a
-# reader that missed the BEGIN (daemon restart) can still file the record under the right names.
+# Control records (BEGIN/END/DROP) carry a key section: request id, NUL, tap key (may be empty).
 KEY_SEPARATOR = b"\x00"
+
+# DATA records hold the rows one rank captured for one tensor in one step, for every request that
+# captured it then: one record per (step, tensor) instead of one per (request, step, tensor), so the
+# serving process pays the per-record cost a few times a step, not once per request. The meta
+# section is the request table, a msgpack array with one entry per request (REQUEST_FIELDS, in that
+# order); each row names its request by its index in that table (the slots array). A request's rows
+# in a record are in position order, but the requests' rows may interleave. Every record carries the
+# ids themselves, so a reader that missed the BEGIN (daemon restart) still files rows correctly.
+REQUEST_FIELDS = ("request_id", "tap_key", "num_prompt_tokens", "expected_ranks", "rank_parts")
+MAX_REQUESTS_PER_RECORD = 1 << 16
+
+
+def msgpack_array_header(n: int) -> bytes:
+    """The msgpack header of an n-element array, to prefix n entries packed one by one."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-def body_layout(key_len: int, meta_len: int, n_tokens: int) -> tuple[int, int, int, int]:
-    """Offsets (from record start) of meta, positions, token_ids and payload; the key is at 64."""
+def body_layout(key_len: int, meta_len: int, n_rows: int) -> tuple[int, int, int, int, int]:
+    """Offsets (from record start) of meta, slots, positions, token_ids and payload; the key is at 64.
+
+    slots, positions and token ids are int32 [n_rows] each."""
     meta_off = RECORD_HEADER_SIZE + key_len
-    pos_off = align_up(meta_off + meta_len, 8)
-    ids_off = pos_off + 4 * n_tokens
-    payload_off = align_up(ids_off + 4 * n_tokens, ALIGN)
-    return meta_off, pos_off, ids_off, payload_off
+    slots_off = align_up(meta_off + meta_len, 8)
+    pos_off = slots_off + 4 * n_rows
+    ids_off = pos_off + 4 * n_rows
+    payload_off = align_up(ids_off + 4 * n_rows, ALIGN)
+    return meta_off, slots_off, pos_off, ids_off, payload_off

@@ -1,0 +1,62 @@
+"""The daemon's doorbell: a real Unix datagram socket in a real shm directory."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+
+from vllm_tap import ring_format as rf
+from vllm_tap.doorbell import Doorbell, DoorbellPush, doorbell_path
+from vllm_tap.records import TensorId
+from vllm_tap.ring import RingWriter, ring_path
+
+
+def test_a_commit_rings_the_daemons_doorbell(shm_dir):
+    os.makedirs(shm_dir, exist_ok=True)
+    bell = Doorbell.bind(shm_dir)
+    assert bell is not None and bell.path == doorbell_path(shm_dir)
+    w = RingWriter(ring_path(shm_dir, "inst", 0), 1 << 16)
+    try:
+        assert bell.drain() == 0
+        w.write("r", TensorId(rf.TensorKind.LOGITS), [0], [1], np.ones((1, 4), np.float32))
+        assert bell.drain() == 1
+        w.write_control(rf.RecordKind.END, "r", {"reason": "stop"})
+        assert bell.drain() == 1
+        assert w.flush() and bell.drain() == 0, "nothing queued, nothing to announce"
+    finally:
+        w.close(unlink=True)
+        bell.close()
+    assert not os.path.exists(doorbell_path(shm_dir))
+
+
+def test_one_daemon_per_shm_dir_and_a_dead_ones_socket_is_taken_over(shm_dir):
+    os.makedirs(shm_dir, exist_ok=True)
+    first = Doorbell.bind(shm_dir)
+    assert first is not None
+    assert Doorbell.bind(shm_dir) is None, "a live daemon keeps its doorbell"
+    # A daemon killed without cleaning up leaves the socket file behind, bound to nobody.
+    first._sock.close()
+    assert os.path.exists(first.path)
+    second = Doorbell.bind(shm_dir)
+    assert second is not None
+    DoorbellPush(second.path).ring()
+    assert second.drain() == 1
+    second.close()
+
+
+def test_without_a_daemon_a_writer_neither_fails_nor_retries_every_step(shm_dir):
+    path = doorbell_path(shm_dir)
+    push = DoorbellPush(path)
+    for _ in range(100):
+        push.ring()
+    assert push.sent == 0
+    # A daemon that appears later is rung once the back-off has passed.
+    os.makedirs(shm_dir, exist_ok=True)
+    bell = Doorbell.bind(shm_dir)
+    push._retry_at = 1.0  # long past
+    push.ring()
+    assert push.sent == 1 and bell.drain() == 1
+    bell.close()
+    assert Doorbell.bind(os.path.join(shm_dir, "missing")) is None
