@@ -44,6 +44,7 @@ def test_status_json_against_a_live_daemon(daemon_proc, shm_dir):
     assert set(s["delivery_latency_s"]) == {"buckets", "sum", "count"} and "+Inf" in s["delivery_latency_s"]["buckets"]
     human = cli("status", "--endpoint", daemon_proc.endpoint)
     assert human.returncode == 0 and "default/rank-00001.ring" in human.stdout and "requests in flight: 0" in human.stdout
+    assert f"woken by writers at {shm_dir}/.doorbell" in human.stdout
 
 
 def test_cli_subscribe_prints_a_summary_and_writes_npz(daemon_proc, shm_dir, sock_dir):

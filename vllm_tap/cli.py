@@ -122,6 +122,9 @@ def _mib(n: int) -> str:
 
 def _status_text(s: dict[str, Any]) -> str:
     lines = [f"daemon pid {s['pid']} up {s['uptime_s']:.0f} s at {s['endpoint']} watching {s['shm_dir']}"]
+    bell = s.get("doorbell")
+    lines.append(f"woken by writers at {bell} ({s.get('doorbell_wakeups', 0)} wake-ups)" if bell
+                 else "no doorbell: polling the rings on a timer")
     rings = s["rings"]
     if rings:
         lines.append(f"{'RING':<40} {'RANK':>5} {'WRITER':>8} {'ALIVE':>5} {'CAPACITY':>10} {'PENDING':>10} "
