@@ -104,10 +104,7 @@ class CudaPublisher(Publisher):
     def _gather_into(self, dst: torch.Tensor, src: torch.Tensor, index: np.ndarray | None) -> None:
         # Gather on the device first (one kernel into a stream-ordered temporary, freed safely after
         # the copy is queued on the same stream), then one async DMA into the registered ring.
-        rows = _slice_rows(src, index)
-        if rows is None:
-            rows = src.index_select(0, torch.from_numpy(index).to(src.device, non_blocking=True))
-        dst.copy_(rows, non_blocking=True)
+        dst.copy_(gather_rows(src, index), non_blocking=True)
 
     def end_step(self) -> None:
         if not self._step:
@@ -131,10 +128,10 @@ class CudaPublisher(Publisher):
         self._thread.join(timeout=5)
 
 
-def gather_rows(src: torch.Tensor, index: np.ndarray | None, device: torch.device) -> torch.Tensor:
+def gather_rows(src: torch.Tensor, index: np.ndarray | None) -> torch.Tensor:
     """src's rows `index` (all when None) as a tensor on src's device (a view when contiguous)."""
     rows = _slice_rows(src, index)
-    return rows if rows is not None else src.index_select(0, torch.from_numpy(index).to(device, non_blocking=True))
+    return rows if rows is not None else src.index_select(0, torch.from_numpy(index).to(src.device, non_blocking=True))
 
 
 def _slice_rows(src: torch.Tensor, index: np.ndarray | None) -> torch.Tensor | None:

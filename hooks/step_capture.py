@@ -346,8 +346,8 @@ class StepCapture:
                 _, sl, full = self._shard(state.logits)
                 records = [(_LOGITS_ID, segments, sl, full, part.to_f32)]
             else:
-                logits = torch.cat([gather_rows(t, i, self.device) for t, i in segments]) if len(segments) > 1 \
-                    else gather_rows(*segments[0], self.device)
+                blocks = [gather_rows(t, i) for t, i in segments]
+                logits = blocks[0] if len(blocks) == 1 else torch.cat(blocks)  # cat would copy even one
                 if part.what == "topk":
                     values, ids = torch.topk(logits, part.topk, dim=-1, sorted=True)
                     k = part.topk
