@@ -80,12 +80,10 @@ class _Plan:
     """What one request contributes in one step."""
 
     row: int  # index of the request in the batch (and of its sampled logits row)
-    request_id: str
     req: _Request
     first: int  # first captured position
     row_lo: int  # rows of the step's flattened tokens
     row_hi: int
-    num_prompt: int
     sampled: bool  # whether the request's sampled row (last scheduled token) is among them
     extra_at: int  # offset of its rows in the extra lm-head pass output
 
@@ -119,9 +117,8 @@ class _StepRows:
     plus the rows' indices into the step's flattened tokens (`flat`) for gathering."""
 
     def __init__(self, plans: list[_Plan], token_ids: np.ndarray | None, single: bool):
-        self.n = len(plans)
         cols = np.array([(p.row, p.first, p.row_lo, p.row_hi - p.row_lo, p.sampled, p.extra_at) for p in plans],
-                        dtype=np.int64).reshape(self.n, 6).T
+                        dtype=np.int64).reshape(len(plans), 6).T
         self.row, self.first, self.lo, self.len, sampled, self.extra_at = cols
         self.sampled = sampled.astype(bool)
         # Decode: one row per request, the sampled one: every kind of row table is the same.
@@ -271,7 +268,7 @@ class StepCapture:
             row_lo, row_hi = r0 + lo - c, r0 + hi - c
             sampled = row_hi == r1
             single = single and sampled and row_hi - row_lo == 1
-            plans.append(_Plan(i, rid, req, lo, row_lo, row_hi, req.ref.num_prompt_tokens, sampled, extra_n))
+            plans.append(_Plan(i, req, lo, row_lo, row_hi, sampled, extra_n))
             if logits_here and req.spec.logits != LogitsMode.NONE:
                 # Rows other than the sampled one have no logits yet: one extra lm-head pass.
                 k = row_hi - row_lo - int(sampled)
