@@ -26,7 +26,7 @@ DEFAULT_CONFIG_PATH = "/etc/vllm-tap/config.toml"
 ENV_PREFIX = "VLLM_TAP_"
 RUNTIME_SOCKET = "tap.sock"
 
-# One line per key; the README's configuration table is generated from this (see markdown_table).
+# One line per key; the configuration table in docs/operate.md is generated from this (see markdown_table).
 DOCS: dict[str, str] = {
     "shm_dir": "Directory the vLLM hook writes rings into (one sub-directory per vLLM instance).",
     "endpoint": "ZeroMQ endpoint subscribers connect to, `ipc://PATH` or `tcp://HOST:PORT`; empty = "
@@ -243,7 +243,7 @@ def _human(key: str, value: Any) -> str:
 
 
 def markdown_table() -> str:
-    """The README's configuration table, so the documentation cannot drift from the code."""
+    """The configuration table in docs/operate.md, so the documentation cannot drift from the code."""
     defaults = DaemonConfig()
     rows = ["| key | environment | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(DaemonConfig):
@@ -254,5 +254,5 @@ def markdown_table() -> str:
 
 
 if __name__ == "__main__":
-    # `python -m vllm_tap.daemon.config_load` prints the table for README-operate.md.
+    # `python -m vllm_tap.daemon.config_load` prints the table for docs/operate.md.
     sys.stdout.write(markdown_table() + "\n")

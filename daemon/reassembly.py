@@ -36,7 +36,6 @@ from vllm_tap.spec import CaptureSpec
 log = logging.getLogger(__name__)
 
 ENGINE_SOURCE = "engine" + rf.RING_SUFFIX  # the engine ring's name: its writer carries the ENDs
-_FAR = 1 << 62
 
 # Why positions are missing (Gap.reason).
 DROPPED = "dropped"  # the writer's ring was full
@@ -157,11 +156,6 @@ def _tensor_name(tid: TensorId) -> str:
     if name is None:
         name = _NAMES[tid] = tid.name
     return name
-
-
-def _start_position(spec: CaptureSpec, num_prompt: int) -> int | None:
-    start, _ = spec.position_range(num_prompt, _FAR)
-    return None if start >= _FAR // 2 else start  # last_output: known only at the end
 
 
 @dataclass
@@ -359,7 +353,7 @@ class Reassembler:
                         req.request_id, e)
             req.spec = None
         if req.spec is not None:
-            req.start = _start_position(req.spec, req.num_prompt_tokens)
+            req.start = req.spec.first_position(req.num_prompt_tokens)
             if req.frontier is None:
                 req.frontier = req.first_frontier = req.start
 
@@ -387,12 +381,12 @@ class Reassembler:
         n = len(r.positions)
         if r.tensor is None or r.data is None or r.data.shape != (n, r.slice_stop - r.slice_start) or n == 0:
             self.stats["bad_records"] += 1
-            log.warning("request %s: malformed DATA record from %s ignored", r.request_id, r.source)
+            log.warning("request %s: malformed DATA record from %s ignored", r.request_id, r.ring)
             return
         req = self._lazy(r, now, out)
         if req is None:
             return
-        req.sources.add(r.source)
+        req.sources.add(r.ring)
         if req.num_prompt_tokens == 0:
             req.num_prompt_tokens = r.num_prompt_tokens
         if req.frontier is None and req.start is None and req.lazy:
@@ -421,7 +415,7 @@ class Reassembler:
         req = self._lazy(r, now, out)
         if req is None:
             return
-        req.sources.add(r.source)
+        req.sources.add(r.ring)
         dropped = np.asarray(r.meta.get("positions", []), np.int64)
         if not len(dropped):
             return

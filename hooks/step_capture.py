@@ -233,8 +233,10 @@ class StepCapture:
         if spec is None:
             return None
         parts = self.parts(spec)
+        first = spec.first_position(num_prompt)
         ref = RequestRef(rid, spec.key, num_prompt, self.contributors(spec),
-                         sum(2 if x.what == "topk" else 1 for x in parts))
+                         sum(2 if x.what == "topk" else 1 for x in parts), -1 if first is None else first,
+                         spec.tail, spec.source)
         return _Request(spec, parts, spec.live_range(num_prompt), ref, ref.packed())
 
     def _plan(self, runner) -> tuple[list[_Plan], list[np.ndarray], bool]:

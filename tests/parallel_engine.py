@@ -30,7 +30,7 @@ def main() -> None:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     from vllm import LLM, SamplingParams
 
-    from vllm_tap.tiny_model import prompt_text
+    from vllm_tap.tools.tiny_model import prompt_text
 
     llm = LLM(
         a.model, dtype="float32", tensor_parallel_size=a.tp, pipeline_parallel_size=a.pp, enforce_eager=a.eager,

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from vllm_tap.tiny_model import TinyLlamaSpec, make_tiny_llama
+from vllm_tap.tools.tiny_model import TinyLlamaSpec, make_tiny_llama
 
 MODEL_CACHE = os.environ.get("VLLM_TAP_TEST_MODELS", "/tmp/vllm-tap-test-models")
 

@@ -20,7 +20,7 @@ import pytest
 
 from reference import hf_forward, tiny_model
 from vllm_tap.client import Client
-from vllm_tap.launch import DaemonHandle
+from vllm_tap.tools.launch import DaemonHandle
 from vllm_tap.ring import read_info
 
 TOL = 1e-5

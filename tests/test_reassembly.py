@@ -31,24 +31,24 @@ def data(step, positions, *, tensor=LOGITS, rank=0, expected=1, parts=1, s=None,
     return RingRecord(
         kind=rf.RecordKind.DATA, request_id=rid, step=step, rank=rank, expected_ranks=expected, rank_parts=parts,
         tensor=tensor, dtype=rf.DType.FLOAT32, slice_start=s0, slice_stop=s1, full_dim=full, num_prompt_tokens=n_prompt,
-        positions=pos, token_ids=pos + 1000, data=vals(tensor.name, pos, s0, s1), source=source or f"rank-{rank:05d}.ring",
+        positions=pos, token_ids=pos + 1000, data=vals(tensor.name, pos, s0, s1), ring=source or f"rank-{rank:05d}.ring",
     )
 
 
 def begin(rid=RID, n_prompt=4, spec=None) -> RingRecord:
-    return RingRecord(kind=rf.RecordKind.BEGIN, request_id=rid, rank=rf.ENGINE_RANK, source="engine.ring", meta={
+    return RingRecord(kind=rf.RecordKind.BEGIN, request_id=rid, rank=rf.ENGINE_RANK, ring="engine.ring", meta={
         "spec": (spec or CaptureSpec()).to_meta(), "num_prompt_tokens": n_prompt,
         "prompt_token_ids": list(range(n_prompt)), "n": 1, "model": "m"})
 
 
 def end(end_position, rid=RID, n_prompt=4, reason="stop") -> RingRecord:
-    return RingRecord(kind=rf.RecordKind.END, request_id=rid, rank=rf.ENGINE_RANK, source="engine.ring", meta={
+    return RingRecord(kind=rf.RecordKind.END, request_id=rid, rank=rf.ENGINE_RANK, ring="engine.ring", meta={
         "reason": reason, "num_prompt_tokens": n_prompt, "num_output_tokens": end_position - n_prompt + 1,
         "output_token_ids": [7] * (end_position - n_prompt + 1), "end_position": end_position})
 
 
 def drop(positions, rid=RID, rank=0) -> RingRecord:
-    return RingRecord(kind=rf.RecordKind.DROP, request_id=rid, rank=rank, source=f"rank-{rank:05d}.ring",
+    return RingRecord(kind=rf.RecordKind.DROP, request_id=rid, rank=rank, ring=f"rank-{rank:05d}.ring",
                       meta={"tensor": int(rf.TensorKind.LOGITS), "layer": -1, "positions": list(positions)})
 
 

@@ -45,7 +45,7 @@ def test_roundtrip_fields_and_bytes(shm_dir):
         9, 10, 20, 40, 3, 4, 2)
     assert list(d.positions) == [5, 6] and list(d.token_ids) == [12, 13]
     assert d.data.dtype == np.float32 and d.data.tobytes() == data.tobytes()
-    assert d.source == "rank-00002.ring" and d.epoch == w.epoch
+    assert d.ring == "rank-00002.ring" and d.epoch == w.epoch
     assert e.dtype == rf.DType.BFLOAT16 and e.data.dtype == np.uint16 and e.data.tobytes() == bf.tobytes()
     assert r.poll() == []
     info = r.info()
@@ -62,7 +62,8 @@ def test_one_record_carries_many_requests_and_reads_back_as_one_record_each(shm_
     path = ring_path(shm_dir, "inst", 0)
     w = RingWriter(path, 1 << 16)
     r = RingReader(path)
-    table = RequestTable([RequestRef("a", "ka", 5, 1, 3), RequestRef("b", "", 9, 2, 1), RequestRef("idle")])
+    table = RequestTable([RequestRef("a", "ka", 5, 1, 3, 3, 0, "policy"), RequestRef("b", "", 9, 2, 1, -1, 1),
+                          RequestRef("idle")])
     # a's prompt rows first, then the step's sampled rows (b's, then a's last): rows interleave.
     rows = _rows([0, 0, 1, 0], [3, 4, 9, 5], [30, 40, 90, 50])
     res = w.reserve_rows(table, rows, HID3, dtype=rf.DType.FLOAT32, width=2, step=4, slice_=(2, 4), full_dim=8)
@@ -71,6 +72,7 @@ def test_one_record_carries_many_requests_and_reads_back_as_one_record_each(shm_
     w.commit(res)
     a, b = r.poll()
     assert (a.request_id, a.tap_key, a.num_prompt_tokens, a.expected_ranks, a.rank_parts) == ("a", "ka", 5, 1, 3)
+    assert (a.start, a.tail, a.source, b.start, b.tail, b.source) == (3, 0, "policy", -1, 1, "client")
     assert list(a.positions) == [3, 4, 5] and list(a.token_ids) == [30, 40, 50]
     np.testing.assert_array_equal(a.data, data[[0, 1, 3]])
     assert (b.request_id, b.tap_key, b.num_prompt_tokens, b.expected_ranks, b.rank_parts) == ("b", "", 9, 2, 1)

@@ -20,8 +20,8 @@ import pytest
 
 from reference import hf_forward, log_softmax, tiny_model
 from vllm_tap.client import AmbiguousCapture, CaptureNotFound, Client, Gap
-from vllm_tap.launch import DaemonHandle, ServerHandle, cpu_server_args, free_port, tap_server_args
-from vllm_tap.tiny_model import TinyLlamaSpec, prompt_text
+from vllm_tap.tools.launch import DaemonHandle, ServerHandle, cpu_server_args, free_port, tap_server_args
+from vllm_tap.tools.tiny_model import TinyLlamaSpec, prompt_text
 
 TOL = 1e-5
 SPEC = TinyLlamaSpec()

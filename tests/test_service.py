@@ -122,7 +122,7 @@ def test_every_key_is_documented_and_in_the_example_config():
     keys = [f.name for f in dataclasses.fields(DaemonConfig)]
     assert sorted(DOCS) == sorted(keys)
     assert all(DOCS[k] and "\n" not in DOCS[k] for k in keys)
-    assert markdown_table() in (SYSTEMD / "README-operate.md").read_text(), (
+    assert markdown_table() in (REPO / "docs" / "operate.md").read_text(), (
         "regenerate the table: python -m vllm_tap.daemon.config_load"
     )
     example = (SYSTEMD / "config.toml").read_text()
@@ -382,7 +382,7 @@ def test_service_notifies_watchdogs_serves_metrics_and_stops_on_sigterm(shm_dir,
         assert m["vllm_tap_subscribers"] == 0 and "vllm_tap_delivery_latency_seconds_count" in m
         exposed = {k.split("{")[0] for k in m}
         exposed |= {n.removesuffix("_count") for n in exposed if n.endswith("_count")}
-        documented = set(re.findall(r"`(vllm_tap_\w+)`", (SYSTEMD / "README-operate.md").read_text()))
+        documented = set(re.findall(r"`(vllm_tap_\w+)`", (REPO / "docs" / "operate.md").read_text()))
         assert documented and documented <= exposed, documented - exposed
         undocumented = {n for n in exposed - documented if not n.endswith(("_bucket", "_sum", "_count"))}
         assert not undocumented, undocumented

@@ -168,7 +168,7 @@ def status(endpoint: str | None, as_json: bool, timeout: float) -> None:
 
 # -- bench (its module imports only click and the stdlib; each part imports what it needs) --
 
-from vllm_tap.bench.cli import bench as _bench  # noqa: E402
+from vllm_tap.tools.bench.cli import bench as _bench  # noqa: E402
 
 main.add_command(_bench)
 

@@ -35,10 +35,14 @@ class RequestRef:
     num_prompt_tokens: int = 0
     expected_ranks: int = 1  # ranks that write records for one of its steps
     rank_parts: int = 1  # records (tensors) this rank writes for one of its steps
+    start: int = -1  # first expected position, -1 when only the END can tell (a tail capture)
+    tail: int = 0  # N > 0: only the last N computed positions are the capture
+    source: str = "client"  # "client" (opted in) or "policy" (chosen by the server's capture policy)
 
     def packed(self) -> bytes:
         return msgpack.packb(
-            [self.request_id, self.tap_key, self.num_prompt_tokens, self.expected_ranks, self.rank_parts],
+            [self.request_id, self.tap_key, self.num_prompt_tokens, self.expected_ranks, self.rank_parts,
+             self.start, self.tail, self.source],
             use_bin_type=True,
         )
 
@@ -81,10 +85,13 @@ class RingRecord:
     slice_stop: int = 0
     full_dim: int = 0
     num_prompt_tokens: int = 0
+    start: int = -1  # the request table's start / tail / source (ring_format.REQUEST_FIELDS)
+    tail: int = 0
+    source: str = "client"
     positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     data: np.ndarray | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     # Where it came from: (ring name, epoch) lets the reassembler tell writers apart.
-    source: str = ""
+    ring: str = ""
     epoch: int = 0

@@ -560,7 +560,7 @@ class RingReader:
             key = bytes(d[at + rf.RECORD_HEADER_SIZE : at + rf.RECORD_HEADER_SIZE + key_len])
             request_id, _, tap_key = key.partition(rf.KEY_SEPARATOR)
             out.append(RingRecord(kind=kind, request_id=request_id.decode(), tap_key=tap_key.decode(), step=step,
-                                  rank=rank, meta=meta, source=self.name, epoch=self.epoch))
+                                  rank=rank, meta=meta, ring=self.name, epoch=self.epoch))
             return
         table = meta if isinstance(meta, list) else []
         if len(table) != n_requests:
@@ -586,14 +586,15 @@ class RingReader:
             groups = [(int(sorted_slots[a]), slice(a, b) if order is None else order[a:b])
                       for a, b in zip([0, *bounds], [*bounds, n])]
         for slot, rows in groups:
-            request_id, tap_key, n_prompt, expected, parts = table[slot]
+            request_id, tap_key, n_prompt, expected, parts, first, tail, source = table[slot]
             take = (lambda a: a[rows].copy()) if isinstance(rows, slice) else (lambda a: a[rows])
             out.append(RingRecord(
                 kind=kind, request_id=request_id, tap_key=tap_key, step=step, rank=rank,
                 expected_ranks=expected, rank_parts=parts, tensor=tid, dtype=dtype,
                 slice_start=s0, slice_stop=s1, full_dim=full_dim, num_prompt_tokens=n_prompt,
+                start=first, tail=tail, source=source,
                 positions=take(positions), token_ids=take(token_ids), data=take(data),
-                source=self.name, epoch=self.epoch,
+                ring=self.name, epoch=self.epoch,
             ))
 
     def close(self) -> None:

@@ -13,7 +13,8 @@ import struct
 
 import numpy as np
 
-RING_FORMAT_VERSION = 2  # 2: DATA records carry rows of several requests (a request table)
+RING_FORMAT_VERSION = 3  # 2: DATA records carry rows of several requests (a request table)
+# 3: request table entries also carry the capture's first expected position, tail length and source
 RING_MAGIC = b"VLLMTAP\x00"
 RING_SUFFIX = ".ring"
 
@@ -152,8 +153,14 @@ KEY_SEPARATOR = b"\x00"
 # section is the request table, a msgpack array with one entry per request (REQUEST_FIELDS, in that
 # order); each row names its request by its index in that table (the slots array). A request's rows
 # in a record are in position order, but the requests' rows may interleave. Every record carries the
-# ids themselves, so a reader that missed the BEGIN (daemon restart) still files rows correctly.
-REQUEST_FIELDS = ("request_id", "tap_key", "num_prompt_tokens", "expected_ranks", "rank_parts")
+# ids themselves, so a reader that missed the BEGIN (daemon restart) still files rows correctly, and
+# what a reader needs to account for every expected position without the BEGIN:
+#   start   first position the capture expects (-1: known only at the end, see tail)
+#   tail    0, or N: the capture is the last N computed positions (workers write more; the reader
+#           keeps the last N once the END says where the request stopped)
+#   source  "client" (the request opted in) or "policy" (the server's capture policy chose it)
+REQUEST_FIELDS = ("request_id", "tap_key", "num_prompt_tokens", "expected_ranks", "rank_parts", "start", "tail",
+                  "source")
 MAX_REQUESTS_PER_RECORD = 1 << 16
 
 

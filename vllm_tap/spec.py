@@ -39,6 +39,9 @@ class DTypeMode(str, enum.Enum):
     FLOAT32 = "float32"
 
 
+SOURCE_CLIENT = "client"  # the request opted in with tap* options
+SOURCE_POLICY = "policy"  # the server's capture policy chose it
+
 SERVER_CONFIG_KEY = "vllm_tap"  # --additional-config '{"vllm_tap": {...}}'
 DEFAULT_RING_BYTES = 256 << 20
 
@@ -121,8 +124,21 @@ class CaptureSpec:
     positions: PositionsMode = PositionsMode.ALL
     dtype: DTypeMode = DTypeMode.AUTO
     key: str = ""
+    source: str = "client"  # SOURCE_CLIENT: the request opted in; SOURCE_POLICY: the server's policy chose it
 
     # -- which positions --
+
+    @property
+    def tail(self) -> int:
+        """N > 0 when the capture is the last N computed positions: its start is known only at the
+        end, so workers capture more and the daemon keeps the last N. 0 otherwise."""
+        return 1 if self.positions == PositionsMode.LAST_OUTPUT else 0
+
+    def first_position(self, num_prompt: int) -> int | None:
+        """The first expected position when it is known before the request ends, else None."""
+        if self.tail:
+            return None
+        return self.position_range(num_prompt, 1 << 62)[0]
 
     def position_range(self, num_prompt: int, end: int) -> tuple[int, int]:
         """[start, stop) of captured positions for a request whose computed positions are [0, end)."""
@@ -164,14 +180,14 @@ class CaptureSpec:
         return {
             "logits": self.logits.value, "topk": self.topk, "indices": list(self.indices),
             "layers": list(self.layers), "positions": self.positions.value, "dtype": self.dtype.value,
-            "key": self.key,
+            "key": self.key, "source": self.source,
         }
 
     @classmethod
     def from_meta(cls, m: dict[str, Any]) -> "CaptureSpec":
         return cls(
             LogitsMode(m["logits"]), int(m["topk"]), tuple(m["indices"]), tuple(m["layers"]),
-            PositionsMode(m["positions"]), DTypeMode(m["dtype"]), m.get("key", ""),
+            PositionsMode(m["positions"]), DTypeMode(m["dtype"]), m.get("key", ""), m.get("source", SOURCE_CLIENT),
         )
 
 

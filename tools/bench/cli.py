@@ -3,8 +3,8 @@
 Each run writes `<out>/bench-<timestamp>/` (results.md, results.json, PNGs, server and daemon
 logs). `--into DIR` adds parts to an existing results folder instead (parts run later replace
 earlier ones; the tables are rebuilt from everything there), so the long serving part can run on
-its own. A full run (`all`, not --quick) also refreshes vllm_tap/bench/LATEST.md, the table meant
-for the README.
+its own. A full run (`all`, not --quick) also refreshes tools/bench/LATEST.md, the table meant
+for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _sigterm_to_exit(signum, frame) -> None:
 @click.option("--into", default=None, metavar="DIR", help="Add to this existing results folder instead.")
 @click.option("--quick", is_flag=True, help="Small, fast configurations: a smoke check, not a measurement.")
 @click.option("--repeats", type=click.IntRange(min=1), default=None, help="Repeats of every part (default per part).")
-@click.option("--latest/--no-latest", default=None, help="Also write vllm_tap/bench/LATEST.md (default: for a full `all`).")
+@click.option("--latest/--no-latest", default=None, help="Also write tools/bench/LATEST.md (default: for a full `all`).")
 # serving
 @click.option("--vocab", default=None, metavar="V,V", help="Serving vocabulary points (first gets every config). [32000,128256]")
 @click.option("--configs", default=None, metavar="abcde", help="Serving configurations at the first point.")
@@ -92,7 +92,7 @@ def bench(what: str, out: str, into: str | None, quick: bool, repeats: int | Non
     vLLM servers (one at a time per configuration's server) and takes long on a CPU machine: --quick
     first. Configurations are interleaved and repeated; medians and within-repeat ratios are reported.
     """
-    from vllm_tap.bench import machine_info, report
+    from vllm_tap.tools.bench import machine_info, report
 
     signal.signal(signal.SIGTERM, _sigterm_to_exit)
     parts = PARTS if what == "all" else (what,)
@@ -115,7 +115,7 @@ def bench(what: str, out: str, into: str | None, quick: bool, repeats: int | Non
         t0 = time.time()
         click.echo(f"== {part} ({'quick' if quick else 'full'}) -> {outdir}")
         if part == "transport":
-            from vllm_tap.bench import transport
+            from vllm_tap.tools.bench import transport
 
             p = transport.TransportParams.quick() if quick else transport.TransportParams()
             if repeats:
@@ -124,7 +124,7 @@ def bench(what: str, out: str, into: str | None, quick: bool, repeats: int | Non
             p.subscribers = _ints(opt["subscribers"]) or p.subscribers
             results["transport"] = transport.run(p, outdir, echo)
         elif part == "hook":
-            from vllm_tap.bench import hook_cost
+            from vllm_tap.tools.bench import hook_cost
 
             p = hook_cost.HookParams.quick() if quick else hook_cost.HookParams()
             if repeats:
@@ -134,7 +134,7 @@ def bench(what: str, out: str, into: str | None, quick: bool, repeats: int | Non
                 p.steps = opt["hook_steps"]
             results["hook"] = hook_cost.run(p, echo)
         else:
-            from vllm_tap.bench import serving
+            from vllm_tap.tools.bench import serving
 
             p = serving.ServingParams.quick() if quick else serving.ServingParams()
             if repeats:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_tap.bench import loadavg, median, percentile, proc_cpu_seconds, spread
+from vllm_tap.tools.bench import loadavg, median, percentile, proc_cpu_seconds, spread
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ def sched_probe(n: int = 400, sleep_s: float = 0.0005) -> dict[str, float]:
 
 def _round(params: TransportParams, poll_s: float, r: int, workdir: str | None, echo) -> dict[str, Any]:
     """One daemon (polling every poll_s), one writer, the subscribers: every configuration once."""
-    from vllm_tap.launch import DaemonHandle
+    from vllm_tap.tools.launch import DaemonHandle
 
     shm = tempfile.mkdtemp(prefix="vllm-tap-bench-", dir="/dev/shm")
     sock = tempfile.mkdtemp(prefix="vtb-")

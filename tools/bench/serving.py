@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_tap.bench import group_pids, loadavg, median, percentile, proc_cpu_seconds, spread
+from vllm_tap.tools.bench import group_pids, loadavg, median, percentile, proc_cpu_seconds, spread
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def prompts(p: ServingParams, vocab: int, seed: int, n: int | None = None) -> li
     the generated tokenizer). Every run gets its own seed: vLLM's prefix cache would otherwise serve
     a repeated prompt from the KV cache, so later runs would skip their prefill (and a capture of
     prompt positions bypasses the cache, so it would be compared against runs doing less work)."""
-    from vllm_tap.tiny_model import prompt_text
+    from vllm_tap.tools.tiny_model import prompt_text
 
     rng = np.random.default_rng(seed)
     return [prompt_text(rng.integers(3, vocab, p.prompt_len).tolist()) for _ in range(n or p.num_requests)]
@@ -331,7 +331,7 @@ def _start_server(kind: str, model_path: str, p: ServingParams, vocab: int, work
                   started: list[Any], echo) -> _Server:
     """Start one server (and, for the tap, its daemon). Every process is put on `started` before it
     is waited for, so the caller stops it whatever happens (an error, a timeout, SIGTERM)."""
-    from vllm_tap.launch import DaemonHandle, ServerHandle, cpu_server_args, free_port, tap_server_args
+    from vllm_tap.tools.launch import DaemonHandle, ServerHandle, cpu_server_args, free_port, tap_server_args
 
     args = cpu_server_args(eager=True, max_model_len=p.max_model_len) + _logprob_flags()
     daemon = None
@@ -457,7 +457,7 @@ def _drain_summary(drained: list[dict[str, Any]], n: int, expected: int, t_http_
 
 
 def _model_path(p: ServingParams, vocab: int) -> tuple[str, ModelSpec]:
-    from vllm_tap.tiny_model import TinyLlamaSpec, make_tiny_llama
+    from vllm_tap.tools.tiny_model import TinyLlamaSpec, make_tiny_llama
 
     spec = ModelSpec(**{**asdict(p.model), "vocab_size": vocab})
     path = os.path.join(p.models_dir, spec.name())
@@ -517,7 +517,7 @@ def run_point(p: ServingParams, vocab: int, configs: list[str], workdir: str, ec
                      f"{run['bytes_per_request'] / 1e3:.0f} kB/request{extra}"
                      f"{'  FAILED ' + str(run['errors']) if run['failed'] else ''}")
     finally:
-        from vllm_tap.launch import DaemonHandle
+        from vllm_tap.tools.launch import DaemonHandle
 
         for h in sorted(started, key=lambda h: isinstance(h, DaemonHandle)):
             try:

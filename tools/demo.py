@@ -1,4 +1,4 @@
-"""The main job, end to end: `python -m vllm_tap.demo` (or `./run demo`).
+"""The main job, end to end: `python -m vllm_tap.tools.demo` (or `./run demo`).
 
 1. makes a tiny random Llama (float32) in a cache directory, so no model hub is needed;
 2. starts `vllm-tap daemon` on a private shm directory and ipc socket, then the vLLM OpenAI
@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from vllm_tap.client import Capture, Client, Gap, TapError
-from vllm_tap.launch import DaemonHandle, ServerHandle, cpu_server_args, free_port, tap_server_args
-from vllm_tap.tiny_model import TinyLlamaSpec, make_tiny_llama, prompt_text
+from vllm_tap.tools.launch import DaemonHandle, ServerHandle, cpu_server_args, free_port, tap_server_args
+from vllm_tap.tools.tiny_model import TinyLlamaSpec, make_tiny_llama, prompt_text
 
 SPEC = TinyLlamaSpec()  # 4 decoder layers, hidden size 128, vocabulary 512, float32
 LAYERS = list(range(SPEC.num_layers + 1))  # 0 = embeddings, i = output of decoder layer i
@@ -409,7 +409,7 @@ def print_table(rows: list[Row]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m vllm_tap.demo", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m vllm_tap.tools.demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--compiled", action="store_true", help="run vLLM compiled instead of --enforce-eager (slower start)")
     ap.add_argument("--keep", action="store_true", help="keep the logs directory")
     args = ap.parse_args(argv)

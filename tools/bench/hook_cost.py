@@ -28,7 +28,7 @@ from unittest import mock
 
 import numpy as np
 
-from vllm_tap.bench import loadavg, median, spread
+from vllm_tap.tools.bench import loadavg, median, spread
 
 TARGET_FACTOR = 2.0
 TARGET_SLACK_US = 50.0

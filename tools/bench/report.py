@@ -6,7 +6,7 @@ import math
 import os
 from typing import Any
 
-from vllm_tap.bench import serving, transport
+from vllm_tap.tools.bench import serving, transport
 
 
 def _f(v: Any, fmt: str = ".2f") -> str:
