@@ -64,8 +64,12 @@ class RecordKind(enum.IntEnum):
     DATA = 1  # a tensor slice for some token positions of one request
     PAD = 2  # filler up to the end of the data area; the next record starts at offset 0
     BEGIN = 3  # a request started capturing; meta carries its spec and prompt length
-    END = 4  # a request finished (meta: reason, counts)
+    END = 4  # a request finished (meta: reason, counts, and its spec and source again, so a reader
+    #          that missed the BEGIN still knows which positions were expected)
     DROP = 5  # the writer dropped records of a request (meta: tensor, layer, positions)
+    LIVE = 6  # engine ring only: the requests still capturing (meta: {"requests": [ids]}), written about
+    #          once a second while any capture runs and once after the last one ends, so a reader can end
+    #          a capture whose END it will never see (lost or consumed by a previous reader)
 
 
 class TensorKind(enum.IntEnum):
