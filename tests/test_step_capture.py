@@ -408,3 +408,23 @@ def test_staged_copies_happen_after_the_step_returns(ring):
     finally:
         gate.set()
         core.close()
+
+
+@pytest.mark.parametrize("scenario", ["decode-8", "prefill-256"])
+def test_gpu_check_script_runs_its_checks_on_the_cpu(tmp_path, scenario):
+    """tools/gpu_check.py (issue 18 item 1, for a session with a GPU) runs the staged publisher and
+    its bytewise check; here on the CPU with small sizes, so a broken script is found before then."""
+    from vllm_tap.tools import gpu_check
+
+    shm = f"/dev/shm/vllm-tap-test-{tmp_path.name}"
+    sc = {s.name: s for s in gpu_check.SCENARIOS}[scenario]
+    try:
+        row = gpu_check.run_scenario(sc, 300, 64, torch.device("cpu"), shm, 8 << 20, 2,
+                                     gpu_check._Forward(torch.device("cpu"), 64, n=1))
+    finally:
+        import shutil
+
+        shutil.rmtree(shm, ignore_errors=True)
+    rows = sc.batch * sc.rows_per_request
+    assert row["mismatches"] == 0 and row["staging_drops"] == 0
+    assert row["captured_bytes"] == rows * (300 + 2 * 64) * 2
