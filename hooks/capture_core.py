@@ -545,11 +545,12 @@ class CaptureStep:
     def finish(self) -> None:
         if self.closed:
             return
-        self.closed = True
         if self.wants_logits and not self.logits_done and self.core.is_last_stage:
             # The runner never produced this step's logits (it should not happen): say so.
+            self.logits_done = True
             self._report_parts(lambda p: p.what != "hidden")
         self.core.publisher.end_step()
+        self.closed = True  # only now: if publishing failed, abandon() still gives the records up
         self.core.writer.flush()
 
     def abandon(self) -> None:

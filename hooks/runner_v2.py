@@ -70,7 +70,11 @@ def learn_new_requests(runner, core: CaptureCore, scheduler_output) -> None:
 def _begin(runner, core: CaptureCore) -> CaptureStep | None:
     step = core.begin(step_view(runner, runner.execute_model_state))
     if step is not None:
-        step.write_states()
+        try:
+            step.write_states()
+        except BaseException:
+            step.abandon()  # records it reserved must not wait in the ring for a commit
+            raise
     return step
 
 

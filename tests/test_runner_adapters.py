@@ -406,3 +406,44 @@ def test_an_error_in_the_tap_never_reaches_the_runner(shm):
         assert "compute_logits" not in runner.model.__dict__  # the wrapper is never left behind
     finally:
         writer.close(unlink=True)
+
+
+def test_a_v2_step_failing_half_way_does_not_stall_the_ring(shm):
+    """The hidden states of step 2 fail after one record was reserved: that step is given up (its
+    reserved records become PAD, its rows are reported dropped) and every later step is delivered."""
+    class Broken(V2Runner):
+        steps = 0
+
+        def execute_model(self, so, *a, **kw):
+            out = super().execute_model(so, *a, **kw)
+            Broken.steps += 1
+            if Broken.steps == 2:
+                self.execute_model_state.aux_hidden_states[1] = None  # hidden.2 of step 2 cannot be read
+            return out
+
+    cls = type("V2", (Broken,), {})
+    runner_v2.patch_v2_module(SimpleNamespace(GPUModelRunner=cls))
+    model = TinyModel()
+    runner = cls(model)
+    writer = RingWriter(f"{shm}/broken/rank-00000.ring", 1 << 20, wake_daemon=False)
+    core = CaptureCore(writer, RankPlace(stage_layers=(LAYERS,)), Publisher(writer), model_dtype=torch.float32)
+    model.set_aux_hidden_state_layers(LAYERS)
+    runner.use_aux_hidden_state_outputs = True
+    runner._vllm_tap_loaded, runner._vllm_tap = True, core
+    try:
+        for so in scheduler_outputs():
+            runner.execute_model(so)
+            runner.sample_tokens(None)
+        reader = RingReader(writer.path)
+        data, drops = collections.defaultdict(set), collections.defaultdict(set)
+        for rec in reader.poll():
+            if rec.kind == RecordKind.DROP:
+                drops[rec.request_id] |= set(rec.meta["positions"])
+            else:
+                data[(rec.request_id, rec.tensor.name)] |= set(rec.positions.tolist())
+        reader.close()
+        assert data[("a", "logits")] == {0, 1, 2, 3, 6, 7, 8}  # step 2 (positions 4, 5) given up
+        assert {4, 5} <= drops["a"]
+    finally:
+        writer.close(unlink=True)
+        core.close()
