@@ -38,7 +38,7 @@ Rules kept here (performance and correctness):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
