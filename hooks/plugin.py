@@ -23,15 +23,15 @@ _done: set[str] = set()
 
 
 def _patch_targets() -> dict[str, Callable]:
-    from vllm_tap.hooks import engine_events, runner_patch, startup, validation
+    from vllm_tap.hooks import engine_events, runner_v1, runner_v2, startup, validation
 
     return {
         "vllm.engine.arg_utils": startup.patch_module,
         "vllm.v1.engine.input_processor": validation.patch_module,
         "vllm.v1.core.sched.scheduler": engine_events.patch_module,
-        "vllm.v1.worker.gpu_model_runner": runner_patch.patch_gpu_module,
-        "vllm.v1.worker.cpu_model_runner": runner_patch.patch_cpu_module,
-        "vllm.v1.worker.gpu.model_runner": runner_patch.patch_v2_module,
+        "vllm.v1.worker.gpu_model_runner": runner_v1.patch_gpu_module,  # V1 (and the base of V1 CPU)
+        "vllm.v1.worker.cpu_model_runner": runner_v1.patch_cpu_module,
+        "vllm.v1.worker.gpu.model_runner": runner_v2.patch_v2_module,  # V2 (and the base of V2 CPU)
     }
 
 

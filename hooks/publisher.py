@@ -1,15 +1,36 @@
 """Moving captured rows from the model's tensors into ring reservations.
 
 A record's payload is filled from one or two segments (a tensor and the rows of it to take); rows
-that form one run are a slice, others a gather (index_select) straight into the ring on CPU, or
-on the device first and then into the ring on CUDA.
+that form one run are a slice, others a gather (index_select).
 
-On CUDA the ring is page-locked once (cudaHostRegister) so each copy is an asynchronous
-device-to-host DMA queued on the compute stream right behind the forward that produced the
-tensors: no sync on the serving path, and the copy is ordered before the next step can overwrite
-the static CUDA-graph output buffers. An event marks the end of a step's copies; a background
-thread waits on it and only then commits the records, so the daemon never sees half-copied bytes.
-On CPU the copy is a plain memcpy on the step thread and records commit at once.
+Two publishers, one interface (`write` a record, `end_step`, `abandon_step`, `close`):
+
+- `Publisher` (CPU): the rows are copied straight into the ring on the step thread (one memcpy or
+  gather per segment) and the step's records commit at `end_step`.
+- `StagedPublisher` (CUDA): the compute stream never waits for a device-to-host copy.
+
+      compute stream:  forward ─ gather rows → staging slot ─ event E1 ─ next forward …
+      copy stream:                             wait E1 ─ D2H staging → ring ─ event E2
+      publisher thread:                                                    wait E2 ─ commit, free slot
+
+  The gathers go into a preallocated device staging buffer on the compute stream, right behind the
+  forward that produced the tensors, so they are ordered before anything (the next forward, CUDA-
+  graph replays, the grammar mask) can overwrite the source. An event E1 marks the end of the
+  step's gathers; the copy stream waits on it and copies each record's staged bytes into the ring,
+  which is page-locked once (cudaHostRegister) so the copies are asynchronous DMA; an event E2 marks
+  their end. A thread (which sets its CUDA device first, as vLLM's own async-output thread does)
+  waits on E2, commits the step's records, and only then frees their staging bytes. The staging
+  buffer is handed out in order like a ring (`StagingRing`); when a record's bytes do not fit in
+  what is free, the record is dropped and reported (DROP records, so the daemon makes gaps) rather
+  than waiting for a copy to finish: the forward is never blocked.
+
+  All of it but the streams and events is plain Python over tensors, so the CPU tests run the very
+  same class with a `HostBackend` whose "copy stream" is the publisher thread: the copies happen when
+  the thread waits on the step's event, after the step has returned, as a DMA would.
+
+A step that fails half-way (an exception in our code) is abandoned: records already reserved are
+turned into PAD records (the reader skips them) and committed, so the ring's in-order publication
+never stalls, and the step's rows are reported as dropped.
 """
 
 from __future__ import annotations
@@ -17,26 +38,70 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from typing import Sequence
 
 import numpy as np
 import torch
 
+from vllm_tap import ring_format as rf
+from vllm_tap.records import RequestTable, TensorId
 from vllm_tap.ring import Reservation, RingWriter
 
 log = logging.getLogger("vllm_tap.hooks")
 
+STORAGE = {torch.float32: rf.DType.FLOAT32, torch.float16: rf.DType.FLOAT16,
+           torch.bfloat16: rf.DType.BFLOAT16, torch.int32: rf.DType.INT32}
+# The device staging buffer is this share of the ring: a decode step of 128 requests capturing full
+# logits at vocab 128256 in bf16 (33 MB) fits several times in the default ring's (256 MiB / 4).
+STAGING_RING_SHARE = 4
+MIN_STAGING_BYTES = 1 << 20
+STAGING_ALIGN = 256  # every staged block starts aligned for any dtype and for fast DMA
 
-class Publisher:
-    def __init__(self, writer: RingWriter, device: torch.device):
-        self.writer = writer
-        # The whole ring as one host tensor: reservations become views of it, never new buffers.
-        self.ring = torch.frombuffer(writer.buffer, dtype=torch.uint8)
-        self._typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}  # the ring viewed as each dtype
-        self._step: list[Reservation] = []
+Segment = tuple[torch.Tensor, "np.ndarray | None"]
 
-    def _view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        # One as_strided on a cached typed view of the whole ring: this runs for every captured
-        # tensor of every step, and a slice-then-view chain costs several times as much.
+
+def staging_bytes(ring_bytes: int) -> int:
+    """Size of the device staging buffer for a ring of `ring_bytes`."""
+    n = max(ring_bytes // STAGING_RING_SHARE, MIN_STAGING_BYTES)
+    return n - n % STAGING_ALIGN
+
+
+def report_drop(writer: RingWriter, table: RequestTable, rows: np.ndarray, tensor: TensorId) -> None:
+    """One DROP record per request with rows in `rows` (int32 [3, n]: slot, position, token id):
+    the daemon turns those positions into gaps."""
+    slots, positions = rows[0], rows[1]
+    for slot in np.unique(slots).tolist():
+        ref = table.refs[slot]
+        writer.write_control(
+            rf.RecordKind.DROP, ref.request_id,
+            {"tensor": int(tensor.kind), "layer": tensor.layer, "positions": positions[slots == slot].tolist()},
+            tap_key=ref.tap_key,
+        )
+
+
+def _record_start(res: Reservation, table: RequestTable, n: int) -> int:
+    """File offset of a DATA reservation's record header."""
+    return res.payload_offset - rf.body_layout(0, len(table.blob), n)[4]
+
+
+def _pad_out(writer: RingWriter, starts: Sequence[int]) -> None:
+    """Turn reserved, uncommitted DATA records into PAD records (same length): the reader skips
+    them, whatever their payload holds."""
+    mm = writer.buffer
+    for at in starts:
+        mm[at : at + 4] = b"PAD\x00"
+
+
+class _RingViews:
+    """The whole ring as one host tensor: reservations become views of it, never new buffers."""
+
+    def __init__(self, buffer):
+        self.ring = torch.frombuffer(buffer, dtype=torch.uint8)
+        self._typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
+
+    def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        # One as_strided on a cached typed view: this runs for every captured tensor of every step,
+        # and a slice-then-view chain costs several times as much.
         typed = self._typed.get(dtype)
         if typed is None:
             base = self.ring.view(dtype)
@@ -44,31 +109,43 @@ class Publisher:
         base, size = typed
         start, misaligned = divmod(offset, size)
         if misaligned:
-            raise ValueError(f"ring offset {offset} is not aligned for {dtype}")
-        # Payloads are [n, width], token ids [n]: both contiguous.
-        strides = (shape[1], 1) if len(shape) == 2 else (1,)
+            raise ValueError(f"offset {offset} is not aligned for {dtype}")
+        strides = (shape[1], 1) if len(shape) == 2 else (1,)  # payloads [n, width], token ids [n]
         return torch.as_strided(base, shape, strides, start)
 
-    def fill(self, res: Reservation, dtype: torch.dtype, width: int, n: int,
-             segments: list[tuple[torch.Tensor, np.ndarray | None]],
-             device_ids: tuple[torch.Tensor, np.ndarray] | None = None) -> None:
-        """Queue the copy of a record's payload: the rows `index` (all when None) of each segment's
-        tensor, one segment after the other, converted to `dtype`; and, when the token ids live on
-        the accelerator, of device_ids = (ids tensor, flat rows) into the record's id area.
-        n: the record's rows, all segments together."""
-        dst = self._view(res.payload_offset, dtype, (n, width))
-        if len(segments) == 1:
-            self._gather_into(dst, *segments[0])
-        else:
-            at = 0
-            for src, index in segments:
-                k = src.shape[0] if index is None else len(index)
-                self._gather_into(dst[at : at + k], src, index)
-                at += k
-        if device_ids is not None:
-            ids, rows = device_ids
-            self._gather_into(self._view(res.token_ids_offset, torch.int32, (n,)), ids, rows)
+
+class Publisher:
+    """CPU: copy into the ring on the step thread, commit at the end of the step."""
+
+    def __init__(self, writer: RingWriter):
+        self.writer = writer
+        self._ring = _RingViews(writer.buffer)
+        self._step: list[Reservation] = []
+        self._starts: list[int] = []
+
+    def write(self, table: RequestTable, rows: np.ndarray, tensor: TensorId, *, dtype: torch.dtype, width: int,
+              slice_: tuple[int, int], full_dim: int, step: int, segments: list[Segment],
+              device_ids: tuple[torch.Tensor, np.ndarray] | None = None) -> bool:
+        """Reserve one record for `rows` and queue the copy of its payload: the rows `index` (all
+        when None) of each segment's tensor, one segment after the other, converted to `dtype`; and,
+        when the token ids live on the accelerator, device_ids = (ids tensor, flat rows) into the
+        record's id area. False when it was dropped (and reported)."""
+        res = self.writer.reserve_rows(table, rows, tensor, dtype=STORAGE[dtype], width=width, slice_=slice_,
+                                       full_dim=full_dim, step=step)
+        if res is None:
+            return False
+        n = rows.shape[1]
         self._step.append(res)
+        self._starts.append(_record_start(res, table, n))
+        dst = self._ring.view(res.payload_offset, dtype, (n, width))
+        ids = None if device_ids is None else self._ring.view(res.token_ids_offset, torch.int32, (n,))
+        self._fill(res, dst, segments, ids, device_ids)
+        return True
+
+    def _fill(self, res, dst, segments, ids_dst, device_ids) -> None:
+        _fill_segments(dst, segments, self._gather_into)
+        if device_ids is not None:
+            self._gather_into(ids_dst, *device_ids)
 
     def _gather_into(self, dst: torch.Tensor, src: torch.Tensor, index: np.ndarray | None) -> None:
         rows = _slice_rows(src, index)
@@ -83,55 +160,276 @@ class Publisher:
     def end_step(self) -> None:
         if self._step:
             self.writer.commit_many(self._step)
-            self._step = []
+            self._step, self._starts = [], []
+
+    def abandon_step(self) -> None:
+        """Give up the step's records: they become PAD records and are committed."""
+        if self._step:
+            _pad_out(self.writer, self._starts)
+            self.writer.commit_many(self._step)
+            self._step, self._starts = [], []
 
     def close(self) -> None:
         pass
 
 
-class CudaPublisher(Publisher):
-    def __init__(self, writer: RingWriter, device: torch.device):
-        super().__init__(writer, device)
-        cudart = torch.cuda.cudart()
+def _fill_segments(dst: torch.Tensor, segments: list[Segment], gather) -> None:
+    if len(segments) == 1:
+        gather(dst, *segments[0])
+        return
+    at = 0
+    for src, index in segments:
+        k = src.shape[0] if index is None else len(index)
+        gather(dst[at : at + k], src, index)
+        at += k
+
+
+class StagingRing:
+    """Byte ranges of the staging buffer, handed out in order by the step thread and given back in
+    order by the publisher thread once the step's copy out of them has completed. Bookkeeping only.
+
+    Cursors grow without bound (like the ring's); a block never wraps: the bytes left at the end
+    are skipped. The step thread moves `head`, the publisher thread `tail` (single stores)."""
+
+    def __init__(self, capacity: int, align: int = STAGING_ALIGN):
+        self.capacity = capacity - capacity % align
+        self.align = align
+        self.head = 0
+        self.tail = 0
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Offset of a free block of `nbytes` in the buffer, or None when there is none now."""
+        n = -(-nbytes // self.align) * self.align
+        cap = self.capacity
+        if n > cap:
+            return None
+        pos = self.head % cap
+        skip = cap - pos if pos + n > cap else 0
+        if self.head + skip + n - self.tail > cap:
+            return None
+        self.head += skip
+        at = self.head % cap
+        self.head += n
+        return at
+
+    def free_to(self, cursor: int) -> None:
+        self.tail = cursor
+
+
+class HostBackend:
+    """The staged path on the CPU, for tests: staging is a host tensor and the "copy stream" is the
+    publisher thread, which performs a step's copies when it waits on the step's event."""
+
+    device = torch.device("cpu")
+
+    class _Copies:
+        def __init__(self, pairs):
+            self.pairs = pairs
+
+        def run(self) -> None:
+            for dst, src in self.pairs:
+                dst.copy_(src)
+
+    def register(self, ring: torch.Tensor) -> None:
+        pass
+
+    def unregister(self, ring: torch.Tensor) -> None:
+        pass
+
+    def thread_init(self) -> None:
+        pass
+
+    def index(self, index: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(index)
+
+    def copy_after_compute(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+        return self._Copies(pairs)
+
+    def wait(self, done) -> None:
+        done.run()
+
+
+class CudaBackend:
+    """Streams and events for the staged path on a CUDA device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device)
+
+    def register(self, ring: torch.Tensor) -> None:
         # cudaHostRegisterDefault = 0: page-lock the mapping so D2H copies into it are async DMA.
-        err = cudart.cudaHostRegister(self.ring.data_ptr(), self.ring.numel(), 0)
+        err = torch.cuda.cudart().cudaHostRegister(ring.data_ptr(), ring.numel(), 0)
         if int(err) != 0:
             raise RuntimeError(f"vllm-tap: cudaHostRegister of the ring failed ({err})")
+
+    def unregister(self, ring: torch.Tensor) -> None:
+        torch.cuda.cudart().cudaHostUnregister(ring.data_ptr())
+
+    def thread_init(self) -> None:
+        # Without it the thread's first CUDA call would make a context on device 0.
+        torch.cuda.set_device(self.device)
+
+    def index(self, index: np.ndarray) -> torch.Tensor:
+        # Through torch's pinned host allocator, which keeps the block until the copy has run.
+        return torch.from_numpy(index).pin_memory().to(self.device, non_blocking=True)
+
+    def copy_after_compute(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        s = self.copy_stream
+        s.wait_event(ready)  # the copy stream waits for the compute stream, never the reverse
+        with torch.cuda.stream(s):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(s)
+        return done
+
+    def wait(self, done) -> None:
+        done.synchronize()
+
+
+class StagedPublisher(Publisher):
+    """Gather into device staging on the compute stream; D2H on a copy stream; commit from a thread."""
+
+    def __init__(self, writer: RingWriter, backend, staging_nbytes: int):
+        super().__init__(writer)
+        self.backend = backend
+        self.staging = StagingRing(staging_nbytes)
+        self._buf = torch.empty(self.staging.capacity, dtype=torch.uint8, device=backend.device)
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.staging_drops = 0  # records dropped because the staging buffer was full
+        self._queued_mark = 0  # staging cursor at the end of the last step handed to the thread
+        backend.register(self._ring.ring)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="vllm-tap-publisher", daemon=True)
         self._thread.start()
 
+    def _staged(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        base = self._typed.get(dtype)
+        if base is None:
+            base = self._typed[dtype] = self._buf.view(dtype)
+        start = offset // base.element_size()
+        strides = (shape[1], 1) if len(shape) == 2 else (1,)
+        return torch.as_strided(base, shape, strides, start)
+
+    def write(self, table, rows, tensor, *, dtype, width, slice_, full_dim, step, segments, device_ids=None) -> bool:
+        n = rows.shape[1]
+        at = self.staging.alloc(n * width * dtype.itemsize)
+        ids_at = None
+        if at is not None and device_ids is not None:
+            ids_at = self.staging.alloc(4 * n)
+        if at is None or (device_ids is not None and ids_at is None):
+            # Waiting for a copy to free staging would stall the forward: drop, count, report.
+            # (A block taken above stays taken until this step's end: harmless, it is freed then.)
+            self.staging_drops += 1
+            if self.staging_drops == 1 or self.staging_drops % 1000 == 0:
+                log.warning("vllm-tap: device staging buffer full (%d bytes); %d records dropped so far",
+                            self.staging.capacity, self.staging_drops)
+            report_drop(self.writer, table, rows, tensor)
+            return False
+        res = self.writer.reserve_rows(table, rows, tensor, dtype=STORAGE[dtype], width=width, slice_=slice_,
+                                       full_dim=full_dim, step=step)
+        if res is None:
+            return False
+        self._step.append(res)
+        self._starts.append(_record_start(res, table, n))
+        stage = self._staged(at, dtype, (n, width))
+        _fill_segments(stage, segments, self._gather_into)
+        self._pairs.append((self._ring.view(res.payload_offset, dtype, (n, width)), stage))
+        if device_ids is not None:
+            ids_stage = self._staged(ids_at, torch.int32, (n,))
+            self._gather_into(ids_stage, *device_ids)
+            self._pairs.append((self._ring.view(res.token_ids_offset, torch.int32, (n,)), ids_stage))
+        return True
+
     def _gather_into(self, dst: torch.Tensor, src: torch.Tensor, index: np.ndarray | None) -> None:
-        # Gather on the device first (one kernel into a stream-ordered temporary, freed safely after
-        # the copy is queued on the same stream), then one async DMA into the registered ring.
-        dst.copy_(gather_rows(src, index), non_blocking=True)
+        # On the compute stream, into staging (ours, preallocated: nothing to free across streams).
+        rows = _slice_rows(src, index)
+        if rows is not None:
+            dst.copy_(rows)
+            return
+        idx = self.backend.index(index)
+        if dst.dtype == src.dtype:
+            torch.index_select(src, 0, idx, out=dst)
+        else:
+            dst.copy_(src.index_select(0, idx))
 
     def end_step(self) -> None:
         if not self._step:
             return
-        ev = torch.cuda.Event()
-        ev.record()
-        self._q.put((ev, self._step))
-        self._step = []
+        done = self.backend.copy_after_compute(self._pairs)
+        self._queued_mark = self.staging.head
+        self._q.put((done, self._step, self._starts, self._queued_mark, False))
+        self._step, self._starts, self._pairs = [], [], []
+
+    def abandon_step(self) -> None:
+        if not self._step:
+            return
+        # No copy of this step was queued; the thread PADs and commits in order after earlier steps.
+        self._queued_mark = self.staging.head
+        self._q.put((None, self._step, self._starts, self._queued_mark, True))
+        self._step, self._starts, self._pairs = [], [], []
 
     def _run(self) -> None:
+        try:
+            self.backend.thread_init()
+        except Exception:
+            log.exception("vllm-tap: publisher thread could not set its device")
         while True:
             item = self._q.get()
             if item is None:
                 return
-            ev, reservations = item
-            ev.synchronize()
+            done, reservations, starts, mark, abandon = item
+            try:
+                if done is not None:
+                    self.backend.wait(done)
+            except Exception:
+                log.exception("vllm-tap: a step's device-to-host copy failed; its records are dropped")
+                abandon = True
+            if abandon:
+                _pad_out(self.writer, starts)
             self.writer.commit_many(reservations)
+            self.staging.free_to(mark)
+
+    def drain(self, timeout: float = 5.0) -> None:
+        """Wait until every queued step is committed (tests, shutdown)."""
+        ev = threading.Event()
+        self._q.put((_Signal(ev), [], [], self._queued_mark, False))
+        ev.wait(timeout)
 
     def close(self) -> None:
         self._q.put(None)
         self._thread.join(timeout=5)
+        try:
+            self.backend.unregister(self._ring.ring)
+        except Exception:
+            pass
+
+
+class _Signal:
+    """A queue item's `done` that just tells the caller the thread got this far."""
+
+    def __init__(self, ev: threading.Event):
+        self.ev = ev
+
+    def run(self) -> None:
+        self.ev.set()
+
+    def synchronize(self) -> None:
+        self.ev.set()
 
 
 def gather_rows(src: torch.Tensor, index: np.ndarray | None) -> torch.Tensor:
     """src's rows `index` (all when None) as a tensor on src's device (a view when contiguous)."""
     rows = _slice_rows(src, index)
-    return rows if rows is not None else src.index_select(0, torch.from_numpy(index).to(src.device, non_blocking=True))
+    if rows is not None:
+        return rows
+    idx = torch.from_numpy(index)
+    if src.device.type != "cpu":
+        idx = idx.pin_memory().to(src.device, non_blocking=True)
+    return src.index_select(0, idx)
 
 
 def _slice_rows(src: torch.Tensor, index: np.ndarray | None) -> torch.Tensor | None:
@@ -145,7 +443,7 @@ def _slice_rows(src: torch.Tensor, index: np.ndarray | None) -> torch.Tensor | N
     return src if a == 0 and b + 1 == src.shape[0] else src[a : b + 1]
 
 
-def make_publisher(writer: RingWriter, device: torch.device) -> Publisher:
+def make_publisher(writer: RingWriter, device: torch.device, ring_bytes: int) -> Publisher:
     if device.type == "cuda":
-        return CudaPublisher(writer, device)
-    return Publisher(writer, device)
+        return StagedPublisher(writer, CudaBackend(device), staging_bytes(ring_bytes))
+    return Publisher(writer)

@@ -4,19 +4,22 @@
 so a bad setting fails here in seconds, not after the model has loaded in every worker. For the
 OpenAI server (AsyncEngineArgs) the failure is one line on stderr and a non-zero exit; offline
 `LLM(...)` raises, as Python callers expect.
+
+The model runner is vLLM's choice (V2 by default on GPU since 0.29, V1 on the CPU wheel); the tap
+hooks both. What it cannot capture under the chosen runner, or an unsupported vLLM version, stops
+start-up here (hooks/support.py).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 
+from vllm_tap.hooks import support
 from vllm_tap.hooks.settings import TapConfigError, server_config
 from vllm_tap.spec import SERVER_CONFIG_KEY
 
 log = logging.getLogger("vllm_tap.hooks")
-V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 def patch_module(module) -> None:
@@ -26,16 +29,20 @@ def patch_module(module) -> None:
     @functools.wraps(orig)
     def create_engine_config(self, *args, **kwargs):
         wants_tap = SERVER_CONFIG_KEY in (getattr(self, "additional_config", None) or {})
-        if wants_tap and V2_RUNNER_ENV not in os.environ:
-            # The hook supports the V1 runner; child processes inherit the choice.
-            os.environ[V2_RUNNER_ENV] = "0"
-            log.info("vllm-tap: using vLLM's V1 model runner (%s=0)", V2_RUNNER_ENV)
+        if wants_tap:
+            try:
+                support.check_version(support.vllm_version())
+            except TapConfigError as e:
+                if type(self).__name__ == "AsyncEngineArgs":
+                    raise SystemExit(f"error: {e}") from None
+                raise
         config = orig(self, *args, **kwargs)
         if wants_tap:
             try:
-                server_config(config)
-                if config.speculative_config is not None:
-                    raise TapConfigError("vllm-tap: speculative decoding is not supported with the tap enabled")
+                cfg = server_config(config)
+                if cfg is not None:
+                    support.check_config(config, cfg.layers)
+                    log.info("vllm-tap: %s model runner", "V2" if support.uses_v2_runner(config) else "V1")
             except TapConfigError as e:
                 if type(self).__name__ == "AsyncEngineArgs":
                     raise SystemExit(f"error: {e}") from None

@@ -1,104 +1,111 @@
-"""StepCapture's batching, at the ring level: one record per captured tensor per step, shared by
-every request that captured it, read back per request exactly as the model's tensors hold it.
+"""The capture core (hooks/capture_core.py) at the ring level, with torch alone: one record per
+captured tensor per step, shared by every request that captured it, read back per request exactly as
+the model's tensors hold it; and the publishers that move the rows.
 
 The end-to-end tests (offline engine, server, TP/PP) prove the values against vLLM and transformers;
-this one drives StepCapture in-process with a stand-in for the model runner's step (real torch
-tensors, a real ring in /dev/shm, the real reader) so it can build batches vLLM's scheduler makes
-only under load: prefill chunks beside decodes, requests with different specs in one step, records
-too big to share. The stand-in is the same shape as the one `vllm-tap bench hook` drives.
+these drive the core in-process with a runner-neutral StepView (real torch tensors, a real ring in
+/dev/shm, the real reader) so they can build batches vLLM's scheduler makes only under load: prefill
+chunks beside decodes, requests with different specs in one step, records too big to share, a
+request computed one step past its end as async scheduling does. The same view is what
+`vllm-tap bench hook` drives. No vLLM is imported by the core: one test checks that in a fresh
+interpreter.
 """
 
 from __future__ import annotations
 
 import collections
-from types import SimpleNamespace
-from unittest import mock
+import subprocess
+import sys
+import threading
 
 import numpy as np
 import pytest
 import torch
 
+from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView
+from vllm_tap.hooks.publisher import HostBackend, Publisher, StagedPublisher, StagingRing
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
-from vllm_tap.ring import RingReader
+from vllm_tap.ring import RingReader, RingWriter
 from vllm_tap.ring_format import RecordKind
-from vllm_tap.spec import CaptureSpec, DTypeMode, LogitsMode, PositionsMode, ServerCaptureConfig
+from vllm_tap.spec import CaptureSpec, DTypeMode, LogitsMode, PositionsMode
 
 HIDDEN, VOCAB, LAYERS = 32, 50, (2, 5)
 
 
-class _Group:
-    rank_in_group, world_size, is_first_rank, is_last_rank = 0, 1, True, True
+class Step:
+    """A step of len(specs) requests: request i has `scheduled[i]` rows, `computed[i]` done before."""
 
+    def __init__(self, specs, scheduled, computed, prompt, seed=0, ids_on_device=False):
+        g = torch.Generator().manual_seed(seed)
+        n_rows = sum(scheduled)
+        self.weight = torch.randn(VOCAB, HIDDEN, generator=g)
+        self.hidden = torch.randn(n_rows, HIDDEN, generator=g)
+        self.qsl = np.concatenate([[0], np.cumsum(scheduled)]).astype(np.int32)
+        self.req_ids = [f"r{i}" for i in range(len(specs))]
+        self.specs = specs
+        self.computed = np.array(computed, np.int32)
+        self.prompt = np.array(prompt, np.int32)
+        self.ids = torch.randint(0, VOCAB, (n_rows,), dtype=torch.int32, generator=g)
+        self.aux = [torch.randn(n_rows, HIDDEN, generator=g) for _ in LAYERS]
+        self.lm_calls = 0
+        self.logits = self.compute_logits(self.hidden[self.qsl[1:] - 1])  # one row per request: its last row
+        self.lm_calls = 0
+        self.ids_on_device = ids_on_device
 
-def _step(specs, scheduled, computed, prompt, seed=0):
-    """A step of len(specs) requests: request i has `scheduled[i]` tokens, `computed[i]` done before."""
-    g = torch.Generator().manual_seed(seed)
-    n_rows = sum(scheduled)
-    weight = torch.randn(VOCAB, HIDDEN, generator=g)
-    hidden = torch.randn(n_rows, HIDDEN, generator=g)
-    qsl = np.concatenate([[0], np.cumsum(scheduled)]).astype(np.int32)
-    req_ids = [f"r{i}" for i in range(len(specs))]
-    model = SimpleNamespace(compute_logits=lambda h: h @ weight.T)
-    runner = SimpleNamespace(
-        vllm_config=SimpleNamespace(
-            parallel_config=SimpleNamespace(data_parallel_size=1),
-            model_config=SimpleNamespace(hf_text_config=SimpleNamespace(num_hidden_layers=8), dtype=torch.float32),
-        ),
-        device="cpu",
-        input_batch=SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=np.array(computed, np.int32),
-                                    num_prompt_tokens=np.array(prompt, np.int32)),
-        requests={rid: SimpleNamespace(sampling_params=SimpleNamespace(
-            extra_args=None if s is None else {SPEC_EXTRA_ARG: s.to_meta()})) for rid, s in zip(req_ids, specs)},
-        query_start_loc=SimpleNamespace(np=qsl),
-        input_ids=SimpleNamespace(gpu=torch.randint(0, VOCAB, (n_rows,), dtype=torch.int32, generator=g)),
-        model=model,
-    )
-    aux = [torch.randn(n_rows, HIDDEN, generator=g) for _ in LAYERS]
-    state = SimpleNamespace(
-        scheduler_output=SimpleNamespace(finished_req_ids=set()),
-        hidden_states=hidden,
-        logits=model.compute_logits(hidden[qsl[1:] - 1]),  # one row per request: its last scheduled token
-        aux_hidden_states=aux,
-    )
-    return runner, state
+    def compute_logits(self, h):
+        self.lm_calls += 1
+        return h @ self.weight.T
 
+    def extra(self, i):
+        s = self.specs[i]
+        return None if s is None else {SPEC_EXTRA_ARG: s.to_meta()}
 
-def _expected(runner, state, specs):
-    """What each request should get this step, straight from the step's tensors: {rid: {tensor: {pos: row}}}."""
-    ib, qsl = runner.input_batch, runner.query_start_loc.np
-    all_logits = runner.model.compute_logits(state.hidden_states)
-    out: dict[str, dict] = {}
-    for i, (rid, spec) in enumerate(zip(ib.req_ids, specs)):
-        if spec is None:
-            continue
-        c, r0, r1 = int(ib.num_computed_tokens_cpu[i]), int(qsl[i]), int(qsl[i + 1])
-        a, b = spec.live_range(int(ib.num_prompt_tokens[i]))
-        got = collections.defaultdict(dict)
-        for row in range(r0, r1):
-            p = c + row - r0
-            if not a <= p < b:
+    def view(self, **kw) -> StepView:
+        args = dict(req_ids=self.req_ids, query_start=self.qsl, computed=self.computed,
+                    token_ids=self.ids if self.ids_on_device else self.ids.numpy(), hidden=self.hidden,
+                    aux=self.aux, logits=self.logits, compute_logits=self.compute_logits,
+                    describe=lambda i: (self.extra(i), int(self.prompt[i])))
+        args.update(kw)
+        return StepView(**args)
+
+    def expected(self):
+        """What each request should get this step, from the step's tensors: {rid: {tensor: {pos: row}}}."""
+        all_logits = self.hidden @ self.weight.T
+        out: dict[str, dict] = {}
+        for i, (rid, spec) in enumerate(zip(self.req_ids, self.specs)):
+            if spec is None:
                 continue
-            got["token"][p] = int(runner.input_ids.gpu[row])
-            lg = all_logits[row]
-            if spec.logits == LogitsMode.FULL:
-                got["logits"][p] = lg.numpy()
-            elif spec.logits == LogitsMode.TOPK:
-                got["topk_ids"][p] = torch.topk(lg, spec.topk).indices.numpy()
-            elif spec.logits == LogitsMode.INDICES:
-                got["chosen"][p] = lg[list(spec.indices)].numpy()
-            for layer in spec.layers:
-                got[f"hidden.{layer}"][p] = state.aux_hidden_states[LAYERS.index(layer)][row].numpy()
-        out[rid] = got
-    return out
+            c, r0, r1 = int(self.computed[i]), int(self.qsl[i]), int(self.qsl[i + 1])
+            a, b = spec.live_range(int(self.prompt[i]))
+            got = collections.defaultdict(dict)
+            for row in range(r0, r1):
+                p = c + row - r0
+                if not a <= p < b:
+                    continue
+                got["token"][p] = int(self.ids[row])
+                lg = all_logits[row]
+                if spec.logits == LogitsMode.FULL:
+                    got["logits"][p] = lg.numpy()
+                elif spec.logits == LogitsMode.TOPK:
+                    got["topk_ids"][p] = torch.topk(lg, spec.topk).indices.numpy()
+                elif spec.logits == LogitsMode.INDICES:
+                    got["chosen"][p] = lg[list(spec.indices)].numpy()
+                for layer in spec.layers:
+                    got[f"hidden.{layer}"][p] = self.aux[LAYERS.index(layer)][row].numpy()
+            out[rid] = got
+        return out
 
 
-def _read(path):
-    """Per request: {tensor: {pos: row}} plus token ids, and how many ring records carried them."""
+def read(path):
+    """Per request: {tensor: {pos: row}} plus token ids; the records' rank parts; DROP positions;
+    how many DATA records the ring carried."""
     reader = RingReader(path)
-    n_records = reader.info().stats["records_written"]
     got = collections.defaultdict(lambda: collections.defaultdict(dict))
-    parts = {}
+    parts, drops, data_records = {}, collections.defaultdict(set), 0
     for rec in reader.poll():
+        if rec.kind == RecordKind.DROP:
+            drops[rec.request_id] |= set(rec.meta["positions"])
+            continue
         assert rec.kind == RecordKind.DATA
         parts[rec.request_id] = rec.rank_parts
         assert list(rec.positions) == sorted(rec.positions), "a request's rows come out in position order"
@@ -106,8 +113,42 @@ def _read(path):
             assert p not in got[rec.request_id][rec.tensor.name], "each position once"
             got[rec.request_id][rec.tensor.name][p] = rec.data[j]
             got[rec.request_id]["token"][p] = int(rec.token_ids[j])
+    data_records = reader.info().stats["records_written"]
     reader.close()
-    return got, parts, n_records
+    return got, parts, dict(drops), data_records
+
+
+def assert_matches(got, want):
+    for rid, tensors in want.items():
+        assert set(got[rid]) - {"topk_values"} == set(tensors), rid
+        for name, rows in tensors.items():
+            assert sorted(got[rid][name]) == sorted(rows), (rid, name)
+            for p, row in rows.items():
+                np.testing.assert_allclose(got[rid][name][p], row, rtol=0, atol=1e-5, err_msg=f"{rid} {name} {p}")
+
+
+@pytest.fixture
+def ring(tmp_path):
+    writers = []
+
+    def make(capacity=1 << 20):
+        w = RingWriter(f"/dev/shm/vllm-tap-test-{tmp_path.name}/inst/rank-00000.ring", capacity, wake_daemon=False)
+        writers.append(w)
+        return w
+
+    yield make
+    for w in writers:
+        w.close(unlink=True)
+
+
+def make_core(writer, staged=False, place=RankPlace(stage_layers=(LAYERS,)), staging=1 << 20, **kw):
+    pub = StagedPublisher(writer, HostBackend(), staging) if staged else Publisher(writer)
+    return CaptureCore(writer, place, pub, model_dtype=torch.float32, **kw)
+
+
+def finish(core):
+    if isinstance(core.publisher, StagedPublisher):
+        core.publisher.drain()
 
 
 SPECS = [
@@ -124,37 +165,28 @@ COMPUTED = [0, 12, 20, 9, 30, 3, 8]
 PROMPT = [10, 5, 8, 6, 12, 30, 10]
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["cpu-publisher", "staged-publisher"])
+@pytest.mark.parametrize("ids_on_device", [False, True], ids=["host-ids", "device-ids"])
 @pytest.mark.parametrize("max_record_bytes", [None, 256], ids=["shared-records", "split-per-request"])
-def test_a_mixed_step_is_read_back_per_request_exactly(tmp_path, max_record_bytes):
-    from vllm.distributed import parallel_state as ps
-
-    from vllm_tap.hooks.step_capture import StepCapture
-
-    shm = "/dev/shm/vllm-tap-test-" + tmp_path.name
-    runner, state = _step(SPECS, SCHEDULED, COMPUTED, PROMPT)
-    cfg = ServerCaptureConfig(layers=LAYERS, instance="unit", shm_dir=shm, ring_bytes=1 << 20)
-    with mock.patch.object(ps, "get_tp_group", return_value=_Group()), \
-            mock.patch.object(ps, "get_pp_group", return_value=_Group()):
-        cap = StepCapture(runner, cfg)
-    if max_record_bytes:
-        cap.max_record_bytes = max_record_bytes
+def test_a_mixed_step_is_read_back_per_request_exactly(ring, staged, ids_on_device, max_record_bytes):
+    """Every request gets exactly its rows of the step's tensors whichever publisher moves them and
+    wherever the token ids live (a tensor's are gathered like the payload)."""
+    writer = ring()
+    st = Step(SPECS, SCHEDULED, COMPUTED, PROMPT, ids_on_device=ids_on_device)
+    core = make_core(writer, staged=staged, max_record_bytes=max_record_bytes)
     try:
-        cap.capture(runner, state)
-        got, parts, n_records = _read(cap.writer.path)
+        core.capture(st.view())
+        finish(core)
+        got, parts, drops, n_records = read(writer.path)
     finally:
-        cap.close()
-        cap.writer.close(unlink=True)
-    want = _expected(runner, state, SPECS)
+        core.close()
+    want = st.expected()
     assert set(got) == set(want) == {"r0", "r2", "r3", "r4", "r5", "r6"}
-    for rid, tensors in want.items():
-        assert set(got[rid]) - {"topk_values"} == set(tensors), rid
-        for name, rows in tensors.items():
-            assert sorted(got[rid][name]) == sorted(rows), (rid, name)
-            for p, row in rows.items():
-                np.testing.assert_allclose(got[rid][name][p], row, rtol=0, atol=1e-5, err_msg=f"{rid} {name} {p}")
+    assert not drops
+    assert_matches(got, want)
     # r2's top-k values are its logits at its top-k ids, largest first.
     (p2,) = want["r2"]["topk_ids"]
-    full = runner.model.compute_logits(state.hidden_states[runner.query_start_loc.np[3] - 1])
+    full = st.compute_logits(st.hidden[st.qsl[3] - 1])
     np.testing.assert_allclose(got["r2"]["topk_values"][p2], full[torch.topk(full, 3).indices].numpy(), atol=1e-5)
     assert parts == {"r0": 3, "r2": 2, "r3": 2, "r4": 2, "r5": 3, "r6": 3}
     if max_record_bytes is None:
@@ -162,3 +194,237 @@ def test_a_mixed_step_is_read_back_per_request_exactly(tmp_path, max_record_byte
         assert n_records == 6
     else:
         assert n_records > 6
+
+
+def test_the_core_imports_no_vllm():
+    """The core runs with torch alone: capture a step in a fresh interpreter, then look."""
+    code = (
+        "import sys, torch, numpy as np\n"
+        "from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView\n"
+        "from vllm_tap.hooks.publisher import Publisher\n"
+        "from vllm_tap.hooks.settings import SPEC_EXTRA_ARG\n"
+        "from vllm_tap.ring import RingWriter, RingReader\n"
+        "from vllm_tap.spec import CaptureSpec\n"
+        "import tempfile, os\n"
+        "d = tempfile.mkdtemp(dir='/dev/shm')\n"
+        "w = RingWriter(os.path.join(d, 'i', 'rank-00000.ring'), 1 << 20, wake_daemon=False)\n"
+        "core = CaptureCore(w, RankPlace(stage_layers=((1,),)), Publisher(w))\n"
+        "core.learn('a', {SPEC_EXTRA_ARG: CaptureSpec(layers=(1,)).to_meta()}, 3)\n"
+        "h = torch.randn(3, 8); W = torch.randn(11, 8)\n"
+        "core.capture(StepView(['a'], np.array([0, 3]), np.array([0]), np.array([5, 6, 7], np.int32), h, [h * 2],"
+        " h[2:] @ W.T, lambda x: x @ W.T))\n"
+        "recs = RingReader(w.path).poll()\n"
+        "assert sorted(r.tensor.name for r in recs) == ['hidden.1', 'logits'], recs\n"
+        "w.close(unlink=True)\n"
+        "assert 'vllm' not in sys.modules, 'the core imported vllm'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_request_computed_past_its_end_is_written_at_its_true_position(ring):
+    """Async scheduling: a request the scheduler finished at step N is already in step N+1, fed its
+    last sampled token at position n_prompt + len(out) - 1 (END's end_position); its id exists only
+    on the device. The worker writes that row at that position with that id (the daemon drops rows
+    at or past end_position); the next step's finished ids make the worker forget it."""
+    writer = ring()
+    n_prompt, n_out = 6, 4
+    end_position = n_prompt + n_out - 1
+    specs = [CaptureSpec(layers=LAYERS), CaptureSpec(layers=LAYERS)]
+    # Batch of two decodes: r0 finished last step (its row is one past its end), r1 still running.
+    st = Step(specs, [1, 1], [end_position, 7], [n_prompt, 5], seed=3, ids_on_device=True)
+    core = make_core(writer)
+    try:
+        core.capture(st.view())
+        got, _, _, _ = read(writer.path)
+        assert sorted(got["r0"]["logits"]) == [end_position]
+        assert got["r0"]["token"][end_position] == int(st.ids[0])
+        np.testing.assert_allclose(got["r0"]["hidden.5"][end_position], st.aux[1][0].numpy(), atol=0)
+        # N+2: the scheduler's finished ids reach the worker; r0 is forgotten, r1 goes on.
+        st2 = Step([specs[1]], [1], [8], [5], seed=4, ids_on_device=True)
+        st2.req_ids = ["r1"]
+        core.capture(st2.view(finished={"r0"}))
+        assert "r0" not in core.requests and core.requests["r1"] is not None
+        got, _, _, _ = read(writer.path)
+        assert set(got) == {"r1"} and sorted(got["r1"]["logits"]) == [8]
+    finally:
+        core.close()
+
+
+def test_a_malformed_spec_means_no_capture_for_that_request_only(ring):
+    writer = ring()
+    st = Step([CaptureSpec(layers=LAYERS), CaptureSpec(layers=LAYERS)], [3, 1], [0, 4], [3, 3])
+    bad = {0: {SPEC_EXTRA_ARG: "x"}, 1: {SPEC_EXTRA_ARG: {"logits": "nope"}}}
+    for kind in bad.values():
+        core = make_core(writer)
+        view = st.view(describe=lambda i, kind=kind: (kind if i == 0 else st.extra(i), int(st.prompt[i])))
+        core.capture(view)  # no exception
+        got, _, _, _ = read(writer.path)
+        assert core.requests["r0"] is None and set(got) == {"r1"}
+        core.close()
+
+
+def test_every_tp_rank_runs_the_extra_lm_head_pass_even_with_nothing_to_write(ring):
+    """The extra lm-head pass for prompt rows is a collective (an all-gather of vocab shards): a
+    rank that writes nothing for a request (top-k is rank 0's) must still run it, or the ranks hang."""
+    writer = ring()
+    spec = CaptureSpec(logits=LogitsMode.TOPK, topk=2, layers=())
+    st = Step([spec], [4], [0], [8])
+    counts = {}
+    for tp_rank in (0, 1):
+        core = make_core(writer, place=RankPlace(tp_rank=tp_rank, tp_size=2, stage_layers=(LAYERS,)))
+        st.lm_calls = 0
+        core.capture(st.view())
+        counts[tp_rank] = st.lm_calls
+        core.close()
+    assert counts == {0: 1, 1: 1}
+
+
+def test_states_now_logits_later_is_the_same_as_all_at_once(ring):
+    """The V2 order (states at the top of sample_tokens, logits from inside sample()) writes the same
+    records as V1's all-at-once capture."""
+    st = Step(SPECS, SCHEDULED, COMPUTED, PROMPT)
+    results = []
+    for split in (False, True):
+        writer = ring()
+        core = make_core(writer)
+        if split:
+            step = core.begin(st.view(logits=None))
+            step.write_states()
+            step.write_logits(st.logits)
+            core.end(step)
+        else:
+            core.capture(st.view())
+        results.append(read(writer.path)[0])
+        core.close()
+        writer.close(unlink=True)
+    assert_matches(results[1], st.expected())
+    assert_matches(results[0], st.expected())
+
+
+def test_logits_that_never_come_are_reported_as_dropped(ring):
+    writer = ring()
+    st = Step([CaptureSpec(layers=LAYERS)], [3], [0], [3])
+    core = make_core(writer)
+    step = core.begin(st.view(logits=None))
+    step.write_states()
+    core.end(step)  # the runner never called sample()
+    got, _, drops, _ = read(writer.path)
+    assert sorted(got["r0"]["hidden.2"]) == [0, 1, 2] and "logits" not in got["r0"]
+    assert drops == {"r0": {0, 1, 2}}
+    core.close()
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["cpu-publisher", "staged-publisher"])
+def test_a_step_failing_half_way_publishes_nothing_and_the_ring_goes_on(ring, staged):
+    """An exception in our code after some records were reserved: they become PAD records (the ring
+    keeps publishing in order), the step's rows are reported lost, and the next step is whole."""
+    writer = ring()
+    st = Step(SPECS, SCHEDULED, COMPUTED, PROMPT)
+    core = make_core(writer, staged=staged)
+    boom = st.view(aux=[st.aux[0], None])  # hidden.5 fails after hidden.2 was reserved
+    with pytest.raises(Exception):
+        core.capture(boom)
+    finish(core)
+    got, _, drops, _ = read(writer.path)
+    assert not got
+    assert drops["r0"] == set(range(6)) and drops["r6"] == {8, 9}
+    core.capture(st.view())
+    finish(core)
+    got, _, drops, _ = read(writer.path)
+    assert not drops
+    assert_matches(got, st.expected())
+    core.close()
+
+
+def test_staging_ring_hands_out_in_order_and_never_wraps_a_block():
+    s = StagingRing(1024, align=256)
+    assert [s.alloc(100), s.alloc(256), s.alloc(300)] == [0, 256, 512]
+    assert s.alloc(300) is None  # 256 left at the end, too small; the start is still busy
+    s.free_to(512)  # the first two blocks' copy finished
+    assert s.alloc(300) == 0  # the tail is skipped, the block starts at 0
+    assert s.alloc(2000) is None  # never fits
+
+
+def test_staged_publisher_commits_only_after_the_copy_and_drops_when_staging_is_full(ring):
+    """The step returns before its copy has run; the records commit once the copy is done; while
+    copies are pending, a step whose bytes do not fit in the staging left is dropped (and reported),
+    never waited for."""
+    writer = ring(4 << 20)
+    specs = [CaptureSpec(layers=LAYERS)] * 4
+    gate = threading.Event()
+
+    class SlowBackend(HostBackend):
+        def wait(self, done):
+            gate.wait(10)  # the "DMA" finishes when the test says so
+            done.run()
+
+    # 4 decode rows x (vocab 50 + 2 x 32 hidden) x 4 bytes = 1824 bytes; staging of 4096: two steps fit.
+    core = CaptureCore(writer, RankPlace(stage_layers=(LAYERS,)), StagedPublisher(writer, SlowBackend(), 4096),
+                       model_dtype=torch.float32)
+    try:
+        steps = [Step(specs, [1] * 4, [10 + k] * 4, [5] * 4, seed=k) for k in range(3)]
+        for st in steps:
+            st.computed = np.array([10 + steps.index(st)] * 4, np.int32)
+            core.capture(st.view())
+        assert core.publisher.staging_drops == 3  # the third step's logits, hidden.2, hidden.5
+        gate.set()
+        core.publisher.drain()
+        got, _, drops, _ = read(writer.path)
+        for rid in ("r0", "r1", "r2", "r3"):
+            assert sorted(got[rid]["logits"]) == [10, 11], rid
+            assert 12 in drops[rid], rid
+        assert_matches({r: {k: {p: v for p, v in rows.items() if p == 10} for k, rows in t.items()}
+                        for r, t in got.items()}, steps[0].expected())
+    finally:
+        gate.set()
+        core.close()
+
+
+def test_staged_copies_happen_after_the_step_returns(ring):
+    """Nothing is committed until the publisher thread has done the copy: the daemon never sees a
+    record whose bytes are still on their way."""
+    writer = ring()
+    gate = threading.Event()
+
+    class SlowBackend(HostBackend):
+        def wait(self, done):
+            gate.wait(10)
+            done.run()
+
+    core = CaptureCore(writer, RankPlace(stage_layers=(LAYERS,)), StagedPublisher(writer, SlowBackend(), 1 << 20),
+                       model_dtype=torch.float32)
+    try:
+        st = Step([CaptureSpec(layers=LAYERS)], [3], [0], [3])
+        core.capture(st.view())
+        reader = RingReader(writer.path)
+        assert reader.poll() == []
+        gate.set()
+        core.publisher.drain()
+        recs = reader.poll()
+        assert sorted(r.tensor.name for r in recs) == ["hidden.2", "hidden.5", "logits"]
+        reader.close()
+    finally:
+        gate.set()
+        core.close()
+
+
+@pytest.mark.parametrize("scenario", ["decode-8", "prefill-256"])
+def test_gpu_check_script_runs_its_checks_on_the_cpu(tmp_path, scenario):
+    """tools/gpu_check.py (issue 18 item 1, for a session with a GPU) runs the staged publisher and
+    its bytewise check; here on the CPU with small sizes, so a broken script is found before then."""
+    from vllm_tap.tools import gpu_check
+
+    shm = f"/dev/shm/vllm-tap-test-{tmp_path.name}"
+    sc = {s.name: s for s in gpu_check.SCENARIOS}[scenario]
+    try:
+        row = gpu_check.run_scenario(sc, 300, 64, torch.device("cpu"), shm, 8 << 20, 2,
+                                     gpu_check._Forward(torch.device("cpu"), 64, n=1))
+    finally:
+        import shutil
+
+        shutil.rmtree(shm, ignore_errors=True)
+    rows = sc.batch * sc.rows_per_request
+    assert row["mismatches"] == 0 and row["staging_drops"] == 0
+    assert row["captured_bytes"] == rows * (300 + 2 * 64) * 2

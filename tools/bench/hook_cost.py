@@ -1,9 +1,10 @@
-"""Hook cost against the physical limit: time inside `StepCapture.capture` per step, against the time
+"""Hook cost against the physical limit: time inside `CaptureCore.capture` per step, against the time
 to memcpy the bytes it captured at the memcpy bandwidth measured in the same run.
 
-This drives the real StepCapture (hooks/step_capture.py) and the real RingWriter in-process, with a
-minimal stand-in for vLLM's model runner and execute-model state built from real torch tensors of
-the bench model's sizes: it is a micro-benchmark of our code, not a test of vLLM. The ring is
+This drives the real capture core (hooks/capture_core.py), the CPU publisher and the real RingWriter
+in-process with torch alone (no vLLM), on a runner-neutral step view built from real torch tensors
+of the bench model's sizes, as the V1 adapter builds it (requests described on first sight): it is a
+micro-benchmark of our code, not a test of vLLM. The CUDA path has its own check, tools/gpu_check.py. The ring is
 consumed between steps (its read cursor set to the write cursor, as an instantly draining daemon
 would), outside the timed region.
 
@@ -22,9 +23,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from types import SimpleNamespace
 from typing import Any
-from unittest import mock
 
 import numpy as np
 
@@ -55,6 +54,7 @@ DEFAULT_SCENARIOS = (
     Scenario("decode-32", 32, 32, 1),
     Scenario("prefill-128", 1, 1, 128),
 )
+EXTRA_SCENARIOS = (Scenario("decode-128", 128, 128, 1),)
 
 
 @dataclass
@@ -77,15 +77,6 @@ class HookParams:
                    warmup=2, ring_bytes=128 << 20, memcpy_bytes=16 << 20)
 
 
-class _Group:
-    """A tensor/pipeline-parallel group of one: this process is rank 0, first and last stage."""
-
-    rank_in_group = 0
-    world_size = 1
-    is_first_rank = True
-    is_last_rank = True
-
-
 class _Model:
     """compute_logits as the model does it (lm_head matmul), timed so it can be taken out."""
 
@@ -106,11 +97,12 @@ class _Model:
 
 
 class _Step:
-    """One scenario's runner and state, advancing positions each step like a running batch."""
+    """One scenario's step view, advancing positions each step like a running batch."""
 
     def __init__(self, sc: Scenario, vocab: int, hidden: int, layers: list[int], model: _Model, num_layers: int):
         import torch
 
+        from vllm_tap.hooks.capture_core import StepView
         from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
         from vllm_tap.spec import CaptureSpec
 
@@ -118,32 +110,16 @@ class _Step:
         n_rows = sc.batch * sc.rows_per_request
         g = torch.Generator().manual_seed(0)
         self.req_ids = [f"{sc.name}-{i}" for i in range(sc.batch)]
-        spec = CaptureSpec(layers=tuple(layers)).to_meta()
-        requests = {
-            rid: SimpleNamespace(sampling_params=SimpleNamespace(
-                extra_args={SPEC_EXTRA_ARG: spec} if i < sc.capturing else None))
-            for i, rid in enumerate(self.req_ids)
-        }
+        spec = {SPEC_EXTRA_ARG: CaptureSpec(layers=tuple(layers)).to_meta()}
         qsl = np.arange(0, n_rows + 1, sc.rows_per_request, dtype=np.int32)
         self.computed = np.zeros(sc.batch, dtype=np.int32)
-        self.runner = SimpleNamespace(
-            vllm_config=SimpleNamespace(
-                parallel_config=SimpleNamespace(data_parallel_size=1, pipeline_parallel_size=1, tensor_parallel_size=1),
-                model_config=SimpleNamespace(hf_text_config=SimpleNamespace(num_hidden_layers=num_layers)),
-            ),
-            device="cpu",
-            input_batch=SimpleNamespace(req_ids=self.req_ids, num_computed_tokens_cpu=self.computed,
-                                        num_prompt_tokens=np.full(sc.batch, sc.prompt_len, dtype=np.int32)),
-            requests=requests,
-            query_start_loc=SimpleNamespace(np=qsl),
-            input_ids=SimpleNamespace(gpu=torch.randint(3, vocab, (n_rows,), dtype=torch.int32, generator=g)),
-            model=model,
-        )
-        self.state = SimpleNamespace(
-            scheduler_output=SimpleNamespace(finished_req_ids=set()),
-            hidden_states=torch.randn(n_rows, hidden, generator=g),
-            logits=torch.randn(sc.batch, vocab, generator=g),
-            aux_hidden_states=[torch.randn(n_rows, hidden, generator=g) for _ in layers],
+        hidden_states = torch.randn(n_rows, hidden, generator=g)
+        self.view = StepView(
+            req_ids=self.req_ids, query_start=qsl, computed=self.computed,
+            token_ids=torch.randint(3, vocab, (n_rows,), dtype=torch.int32, generator=g).numpy(),
+            hidden=hidden_states, aux=[torch.randn(n_rows, hidden, generator=g) for _ in layers],
+            logits=torch.randn(sc.batch, vocab, generator=g), compute_logits=model.compute_logits,
+            describe=lambda i: (spec if i < sc.capturing else None, sc.prompt_len),
         )
         row_bytes = (vocab + hidden * len(layers)) * 4
         self.captured_bytes = sc.capturing * sc.rows_per_request * row_bytes
@@ -235,11 +211,12 @@ def _measure_bandwidth(mc: _Memcpy, nbytes: int, reps: int = 9) -> tuple[float, 
 def run(params: HookParams, echo=print) -> dict[str, Any]:
     import torch
 
-    from vllm_tap.hooks.step_capture import StepCapture
-    from vllm_tap.spec import ServerCaptureConfig
+    from vllm_tap.hooks.capture_core import CaptureCore, RankPlace
+    from vllm_tap.hooks.publisher import Publisher
+    from vllm_tap.ring import RingWriter, ring_path
 
     torch.set_num_threads(params.threads)
-    by_name = {s.name: s for s in DEFAULT_SCENARIOS}
+    by_name = {s.name: s for s in DEFAULT_SCENARIOS + EXTRA_SCENARIOS}
     scenarios = [by_name[n] for n in params.scenarios]
     shm = tempfile.mkdtemp(prefix="vllm-tap-bench-hook-", dir="/dev/shm")
     load0 = loadavg()
@@ -253,16 +230,11 @@ def run(params: HookParams, echo=print) -> dict[str, Any]:
         mc = _Memcpy(os.path.join(shm, "memcpy.buf"), max(params.ring_bytes // 2, 2 * params.memcpy_bytes))
         setups = []
         for vocab in params.vocab_sizes:
-            cfg = ServerCaptureConfig(layers=tuple(params.layers), instance=f"hook-v{vocab}", shm_dir=shm,
-                                      ring_bytes=params.ring_bytes)
             weight = torch.randn(vocab, params.hidden_size) * 0.02
             model = _Model(weight)
             steps = [_Step(sc, vocab, params.hidden_size, params.layers, model, params.num_layers) for sc in scenarios]
-            from vllm.distributed import parallel_state as ps
-
-            with mock.patch.object(ps, "get_tp_group", return_value=_Group()), \
-                    mock.patch.object(ps, "get_pp_group", return_value=_Group()):
-                cap = StepCapture(steps[0].runner, cfg)
+            writer = RingWriter(ring_path(shm, f"hook-v{vocab}", 0), params.ring_bytes)
+            cap = CaptureCore(writer, RankPlace(stage_layers=(tuple(params.layers),)), Publisher(writer))
             caps.append(cap)
             # Fault the ring's pages in: a serving process laps its ring within minutes, so the
             # steady state the hook lives in is a mapped ring (the header is left alone).
@@ -283,7 +255,7 @@ def run(params: HookParams, echo=print) -> dict[str, Any]:
                     for k in range(params.warmup + params.steps):
                         model.seconds = model.cpu_seconds = 0.0
                         t, c = time.perf_counter(), time.thread_time()
-                        cap.capture(st.runner, st.state)
+                        cap.capture(st.view)
                         cpu = time.thread_time() - c
                         dt = time.perf_counter() - t
                         consumer.drain()

@@ -1,0 +1,563 @@
+"""The capture core: which rows each request contributes in a step, and the ring records they go in.
+
+It knows nothing of vLLM or of a model runner (it imports torch, numpy and vllm_tap only): a runner
+adapter (hooks/runner_v1.py, hooks/runner_v2.py) hands it a `StepView` built from the runner's own
+state, and tells it about requests (`learn`, `forget`). The same core runs under both runners, on CPU
+and CUDA, and in `vllm-tap bench hook` and the tests with torch alone.
+
+    StepView (per step)          rows → request id (batch order, query_start), first position of each
+                                 request's rows (computed), token ids (host array, or a device tensor
+                                 gathered on the device), hidden / aux / logits tensors, the lm head
+    RankPlace (per worker)       tensor-parallel rank and size, pipeline stage, layers per stage
+
+    core.begin(view) → step      plan: per capturing request its live rows (vectorised row tables)
+    step.write_states()          hidden-state records (the aux tensors of this stage's layers)
+    step.write_logits(logits)    logits / top-k / chosen records (+ one extra lm-head pass for rows
+                                 that have no logits yet: prompt positions)
+    core.end(step)               the step's records are published (CPU: now; CUDA: after the copy)
+
+V1 has every tensor at the top of `sample_tokens` and calls `core.capture(view)` (all four at once);
+V2 computes logits only inside `sample()`, so its adapter writes the states first and the logits
+when they appear, before the grammar mask modifies them in place.
+
+Rules kept here (performance and correctness):
+- Per step: one dict lookup and a few integer operations per scheduled request, then one ring record
+  per captured tensor for the whole batch, its rows gathered by one copy (two for logits: extra-pass
+  rows, then sampled rows), whatever the number of requests. No per-token Python, no device sync.
+  Per-request work (spec, parts, request-table entry) is done once, when the request is learned.
+- Under tensor parallelism every rank holds the full logits and residual stream; each rank copies
+  only its 1/tp share of the last dimension (no collective). Top-k and chosen indices need whole
+  rows: TP rank 0 writes them. The extra lm-head pass is a collective, so every TP rank of the last
+  stage runs it identically (the plan is the same on every rank).
+- A request's malformed spec means no capture for it (one logged error), never an exception.
+- A request's rows are positions [computed, computed + scheduled) cut to its live range; rows at or
+  past its end (async scheduling computes a finished request once more) are written like any other:
+  the daemon drops rows at or after the END's end position.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from vllm_tap import ring_format as rf
+from vllm_tap.hooks import guard
+from vllm_tap.hooks.publisher import Publisher, gather_rows, report_drop
+from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
+from vllm_tap.records import RequestRef, RequestTable, TensorId
+from vllm_tap.ring import RingWriter
+from vllm_tap.spec import CaptureSpec, DTypeMode, LogitsMode
+
+log = logging.getLogger("vllm_tap.hooks")
+
+_UNSEEN = object()
+_NO_ROWS = np.zeros(0, np.int64)
+
+_LOGITS_ID = TensorId(rf.TensorKind.LOGITS)
+_TOPK_IDS_ID = TensorId(rf.TensorKind.TOPK_IDS)
+_TOPK_VALUES_ID = TensorId(rf.TensorKind.TOPK_VALUES)
+_CHOSEN_ID = TensorId(rf.TensorKind.CHOSEN)
+_HIDDEN_IDS: dict[int, TensorId] = {}
+
+
+def _hidden_id(layer: int) -> TensorId:
+    tid = _HIDDEN_IDS.get(layer)
+    if tid is None:
+        tid = _HIDDEN_IDS[layer] = TensorId(rf.TensorKind.HIDDEN, layer)
+    return tid
+
+
+def host_ids(ids: torch.Tensor) -> "np.ndarray | torch.Tensor":
+    """A runner's token-id tensor as StepView wants it: a host array when it lives on the CPU."""
+    return ids.numpy() if ids.device.type == "cpu" else ids
+
+
+def shard(dim: int, rank: int, size: int) -> tuple[int, int]:
+    """This rank's [start, stop) of a last dimension split as evenly as possible."""
+    per = -(-dim // size)
+    return min(rank * per, dim), min((rank + 1) * per, dim)
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where this worker sits: its tensor-parallel rank and the pipeline stage it runs.
+
+    stage_layers[s]: the captured layers pipeline stage s computes (0, the embeddings, on the first
+    stage; layer i, the output of decoder layer i, on the stage that runs decoder layer i)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    stage_layers: tuple[tuple[int, ...], ...] = ((),)
+
+    @property
+    def pp_size(self) -> int:
+        return len(self.stage_layers)
+
+    @property
+    def rank(self) -> int:
+        """This worker's ring rank: stages one after the other, tp ranks within a stage."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return self.stage_layers[self.pp_rank]
+
+
+@dataclass
+class StepView:
+    """One step as the core needs it, whatever the runner. Arrays are in batch order.
+
+    token_ids: the step's flattened input token ids, a host int array when the host has them, else
+    a tensor, gathered on its device like the payload (decode rows' ids exist only on the GPU under
+    async scheduling, and always under V2); `host_ids` makes the adapters' choice. aux: this
+    stage's captured layers' hidden states, in `RankPlace.layers` order. logits: the sampled rows, one per request (None when they come later through
+    `write_logits`, or on a non-last stage). describe(i): (extra_args, prompt length) of batch row
+    i's request the first time the core sees it, for runners that keep them (V1); runners that tell
+    the core at admission (V2, `learn`) leave it None."""
+
+    req_ids: Sequence[str]
+    query_start: np.ndarray  # [num_reqs + 1]: request i owns rows [query_start[i], query_start[i+1])
+    computed: np.ndarray  # [num_reqs]: the position of request i's first row this step
+    token_ids: Any  # np.ndarray | torch.Tensor, [num_rows]
+    hidden: torch.Tensor | None = None  # final hidden states [num_rows(+padding), hidden]
+    aux: Sequence[torch.Tensor] | None = None
+    logits: torch.Tensor | None = None
+    compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None  # the lm head
+    finished: Iterable[str] = ()  # requests to forget before this step
+    describe: Callable[[int], tuple[dict | None, int]] | None = None
+
+
+class _Part(NamedTuple):
+    """One record kind a spec asks of this rank each step; requests with equal parts share a record.
+    (A tuple: it is a dict key on the hot path, and tuples hash in C.)"""
+
+    what: str  # "logits" | "topk" | "chosen" | "hidden"
+    to_f32: bool = False
+    layer: int = -1
+    topk: int = 0
+    indices: tuple[int, ...] = ()
+
+
+@dataclass
+class _Request:
+    """What the core keeps per capturing request, worked out once, when it is learned."""
+
+    spec: CaptureSpec
+    parts: tuple[_Part, ...]
+    live: tuple[int, int]  # [first, stop) of the positions it captures
+    ref: RequestRef  # its entry in the records' request tables, and that entry packed
+    packed: bytes
+
+
+@dataclass
+class _Plan:
+    """What one request contributes in one step."""
+
+    row: int  # index of the request in the batch (and of its sampled logits row)
+    req: _Request
+    first: int  # first captured position
+    row_lo: int  # rows of the step's flattened tokens
+    row_hi: int
+    sampled: bool  # whether the request's sampled row (last scheduled token) is among them
+    extra_at: int  # offset of its rows in the extra lm-head pass output
+
+
+class _StepRows:
+    """The step's plans as arrays, and the row tables of any subset of them (vectorised).
+
+    A row table is what reserve_rows takes: int32 [3, n] of (request slot, position, token id),
+    plus the rows' indices into the step's flattened tokens (`flat`) for gathering."""
+
+    def __init__(self, plans: list[_Plan], token_ids: np.ndarray | None, single: bool):
+        cols = np.array([(p.row, p.first, p.row_lo, p.row_hi - p.row_lo, p.sampled, p.extra_at) for p in plans],
+                        dtype=np.int64).reshape(len(plans), 6).T
+        self.row, self.first, self.lo, self.len, sampled, self.extra_at = cols
+        self.sampled = sampled.astype(bool)
+        # Decode: one row per request, the sampled one: every kind of row table is the same.
+        self.single = single
+        self.token_ids = token_ids  # host ids of the flattened tokens, when on the host
+        self._cache: dict[bytes, tuple] = {}
+
+    def _table(self, slots, flat, pos) -> tuple[np.ndarray, np.ndarray]:
+        block = np.empty((3, len(flat)), np.int32)
+        block[0], block[1] = slots, pos
+        if self.token_ids is not None:
+            block[2] = self.token_ids[flat]
+        return block, flat
+
+    @staticmethod
+    def _expand(slots, flat0, pos0, length, src0):
+        """Rows of segments [start, start + length) per plan: (slots, flat rows, positions, source rows)."""
+        if len(length) == int(length.sum()):  # one row each: nothing to expand
+            return slots, flat0, pos0, src0
+        rep = np.repeat(np.arange(len(length)), length)
+        off = np.arange(len(rep)) - np.repeat(np.cumsum(length) - length, length)
+        return slots[rep], flat0[rep] + off, pos0[rep] + off, src0[rep] + off
+
+    def rows(self, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """All captured rows of the plans in `sel`, in batch order: (row table, flat rows)."""
+        key = b"r" + sel.tobytes()
+        got = self._cache.get(key)
+        if got is None:
+            lo = self.lo[sel]
+            slots, flat, pos, _ = self._expand(sel, lo, self.first[sel], self.len[sel], lo)
+            got = self._cache[key] = self._table(slots, flat, pos)
+        return got
+
+    def logit_rows(self, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Logit rows of the plans in `sel`: first those of the extra lm-head pass, then the sampled
+        rows. (row table, flat rows, extra-pass rows, sampled logits rows)."""
+        if self.single:
+            return (*self.rows(sel), _NO_ROWS, self.row[sel])
+        key = b"l" + sel.tobytes()
+        got = self._cache.get(key)
+        if got is None:
+            k = self.len[sel] - self.sampled[sel]
+            e = sel[k > 0]
+            es, ef, ep, ex = self._expand(e, self.lo[e], self.first[e], k[k > 0], self.extra_at[e])
+            s = sel[self.sampled[sel]]
+            last = self.len[s] - 1
+            block, flat = self._table(np.concatenate((es, s)), np.concatenate((ef, self.lo[s] + last)),
+                                      np.concatenate((ep, self.first[s] + last)))
+            got = self._cache[key] = (block, flat, ex, self.row[s])
+        return got
+
+
+class CaptureCore:
+    """Per worker: the requests it captures for, and each step's records into its ring."""
+
+    def __init__(self, writer: RingWriter, place: RankPlace, publisher: Publisher, *,
+                 model_dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+                 max_record_bytes: int | None = None):
+        self.writer = writer
+        self.place = place
+        self.publisher = publisher
+        self.model_dtype = model_dtype
+        self.device = torch.device(device)
+        self.tp_rank, self.tp_size = place.tp_rank, place.tp_size
+        self.is_last_stage = place.is_last_stage
+        self.layers = place.layers
+        self.aux_index = {layer: i for i, layer in enumerate(self.layers)}
+        # A step's rows of one tensor share a record up to this size; beyond it they are split by
+        # request, so one huge batch (many prefill chunks of full logits) cannot outgrow the ring.
+        self.max_record_bytes = max_record_bytes or max(writer.capacity // 8, 1 << 16)
+        self.requests: dict[str, _Request | None] = {}  # by request id; None: not capturing
+        self._contributors: dict[CaptureSpec, int] = {}
+        self._parts: dict[CaptureSpec, tuple[_Part, ...]] = {}
+        self._indices: dict[tuple[int, ...], torch.Tensor] = {}
+        self.step = 0
+
+    # -- requests --
+
+    def learn(self, rid: str, extra_args: dict | None, num_prompt: int) -> None:
+        """A request the runner admitted (again, after a preemption): work out what it captures."""
+        self.requests[rid] = self._request(rid, extra_args, num_prompt)
+
+    def forget(self, rid: str) -> None:
+        self.requests.pop(rid, None)
+
+    def _request(self, rid: str, extra: dict | None, num_prompt: int) -> _Request | None:
+        if not extra or SPEC_EXTRA_ARG not in extra:
+            return None
+        try:
+            spec = CaptureSpec.from_meta(extra[SPEC_EXTRA_ARG])
+            parts = self.parts(spec)
+            first = spec.first_position(num_prompt)
+            ref = RequestRef(rid, spec.key, num_prompt, self.contributors(spec),
+                             sum(2 if x.what == "topk" else 1 for x in parts), -1 if first is None else first,
+                             spec.tail, spec.source)
+            return _Request(spec, parts, spec.live_range(num_prompt), ref, ref.packed())
+        except Exception as e:  # noqa: BLE001 - a malformed internal spec: no capture for it
+            guard.errors().error(f"capture spec of request {rid!r}", e)
+            return None
+
+    def parts(self, spec: CaptureSpec) -> tuple[_Part, ...]:
+        """The records this rank writes for a request with this spec each step it captures."""
+        got = self._parts.get(spec)
+        if got is None:
+            # A float32 model's tensors already are float32: such requests share records with the rest.
+            to_f32 = spec.dtype == DTypeMode.FLOAT32 and self.model_dtype != torch.float32
+            out = []
+            if self.is_last_stage and spec.logits == LogitsMode.FULL:
+                out.append(_Part("logits", to_f32))
+            elif self.is_last_stage and self.tp_rank == 0:
+                # Small, and needs the whole row: rank 0 writes it whole.
+                if spec.logits == LogitsMode.TOPK:
+                    out.append(_Part("topk", to_f32, topk=spec.topk))
+                elif spec.logits == LogitsMode.INDICES:
+                    out.append(_Part("chosen", to_f32, indices=tuple(spec.indices)))
+            out.extend(_Part("hidden", to_f32, layer=x) for x in spec.layers if x in self.aux_index)
+            got = self._parts[spec] = tuple(out)
+        return got
+
+    def contributors(self, spec: CaptureSpec) -> int:
+        """How many ranks write records for one of this request's steps (the same on every rank).
+
+        A stage whose part is sharded (full logits, hidden states) has all its tp ranks write;
+        a stage with only whole small tensors (top-k, chosen indices) has just its rank 0.
+        """
+        n = self._contributors.get(spec)
+        if n is None:
+            n = 0
+            last = self.place.pp_size - 1
+            for s, layers in enumerate(self.place.stage_layers):
+                sharded = any(x in layers for x in spec.layers) or (s == last and spec.logits == LogitsMode.FULL)
+                whole = s == last and spec.logits in (LogitsMode.TOPK, LogitsMode.INDICES)
+                n += self.tp_size if sharded else int(whole)
+            self._contributors[spec] = n
+        return n
+
+    # -- steps --
+
+    def capture(self, view: StepView) -> None:
+        """A whole step at once (the runner has every tensor now)."""
+        step = self.begin(view)
+        if step is None:
+            return
+        try:
+            step.write_states()
+            if self.is_last_stage:
+                step.write_logits(view.logits)
+        except BaseException:
+            step.abandon()
+            raise
+        self.end(step)
+
+    def begin(self, view: StepView) -> "CaptureStep | None":
+        """Plan a step; None when no request captures anything in it."""
+        self.step += 1
+        for rid in view.finished:
+            self.requests.pop(rid, None)
+        plans, extra_rows, single = self._plan(view)
+        if not plans and not extra_rows:
+            return None
+        return CaptureStep(self, view, plans, extra_rows, single)
+
+    def end(self, step: "CaptureStep") -> None:
+        step.finish()
+
+    def _plan(self, view: StepView) -> tuple[list[_Plan], list[np.ndarray], bool]:
+        """The step's capturing requests, the rows of the extra lm-head pass, and whether every
+        plan is one sampled row (a decode step)."""
+        req_ids = view.req_ids
+        seen = self.requests
+        chosen = []
+        for i, rid in enumerate(req_ids):
+            r = seen.get(rid, _UNSEEN)
+            if r is _UNSEEN:
+                if view.describe is None:
+                    r = None  # never admitted through learn(): not ours to capture
+                else:
+                    extra, n_prompt = view.describe(i)
+                    r = self._request(rid, extra, int(n_prompt))
+                seen[rid] = r
+            if r is not None:
+                chosen.append(i)
+        if not chosen:
+            return [], [], True
+        qsl = view.query_start
+        computed = view.computed
+        plans, extra_rows, extra_n, single = [], [], 0, True
+        logits_here = self.is_last_stage
+        for i in chosen:
+            req = seen[req_ids[i]]
+            r0, r1, c = int(qsl[i]), int(qsl[i + 1]), int(computed[i])
+            a, b = req.live
+            lo, hi = max(a, c), min(b, c + r1 - r0)
+            if lo >= hi:
+                continue
+            row_lo, row_hi = r0 + lo - c, r0 + hi - c
+            sampled = row_hi == r1
+            at = extra_n
+            if logits_here and req.spec.logits != LogitsMode.NONE:
+                # Rows other than the sampled one have no logits yet: one extra lm-head pass. It is a
+                # collective, so it covers them on every TP rank, whether or not this rank writes them.
+                k = row_hi - row_lo - int(sampled)
+                if k:
+                    extra_rows.append(np.arange(row_lo, row_lo + k))
+                    extra_n += k
+            if req.parts:
+                single = single and sampled and row_hi - row_lo == 1
+                plans.append(_Plan(i, req, lo, row_lo, row_hi, sampled, at))
+        return plans, extra_rows, single
+
+    def _shard(self, src: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int], int]:
+        full = src.shape[-1]
+        if self.tp_size == 1:
+            return src, (0, full), full
+        s0, s1 = shard(full, self.tp_rank, self.tp_size)
+        return src[:, s0:s1], (s0, s1), full
+
+    def _indices_tensor(self, indices: tuple[int, ...]) -> torch.Tensor:
+        t = self._indices.get(indices)
+        if t is None:
+            t = self._indices[indices] = torch.tensor(indices, dtype=torch.long, device=self.device)
+        return t
+
+    def close(self) -> None:
+        self.publisher.close()
+
+
+class CaptureStep:
+    """One planned step: its row tables and request table, and which of its records are written."""
+
+    def __init__(self, core: CaptureCore, view: StepView, plans: list[_Plan], extra_rows: list[np.ndarray],
+                 single: bool):
+        self.core = core
+        self.view = view
+        ids = view.token_ids
+        # Host ids go into the ring with the row table; a tensor's are gathered by the publisher.
+        self.host_ids = ids if isinstance(ids, np.ndarray) else None
+        self.device_ids = None if self.host_ids is not None else ids
+        self.plans = plans
+        self.extra_rows = extra_rows
+        self.rows = _StepRows(plans, self.host_ids, single)
+        self.table = RequestTable([p.req.ref for p in plans], [p.req.packed for p in plans])
+        # Requests asking for the same part (the usual case: all of them) share its record.
+        by_part: dict[_Part, list[int]] = {}
+        for j, plan in enumerate(plans):
+            for part in plan.req.parts:
+                got = by_part.get(part)
+                if got is None:
+                    by_part[part] = [j]
+                else:
+                    got.append(j)
+        everyone = np.arange(len(plans))
+        self.by_part = [(part, everyone if len(js) == len(plans) else np.array(js, dtype=np.int64))
+                        for part, js in by_part.items()]
+        # Logits to write, or an extra lm-head pass to run (a collective) even with none to write.
+        self.wants_logits = bool(extra_rows) or any(part.what != "hidden" for part, _ in self.by_part)
+        self.logits_done = False
+        self.closed = False
+
+    # -- writing --
+
+    def write_states(self) -> None:
+        for part, sel in self.by_part:
+            if part.what == "hidden":
+                block, flat = self.rows.rows(sel)
+                src, sl, full = self.core._shard(self.view.aux[self.core.aux_index[part.layer]])
+                self._write([(_hidden_id(part.layer), [(src, flat)], sl, full, part.to_f32)], block, flat)
+
+    def write_logits(self, logits: torch.Tensor | None) -> None:
+        """The step's sampled logits rows (one per request, batch order), raw: write the logits parts.
+        Runs the extra lm-head pass for rows that have no logits yet."""
+        if self.logits_done or not self.wants_logits:
+            return
+        self.logits_done = True
+        extra = None
+        if self.extra_rows:
+            idx = np.concatenate(self.extra_rows)
+            extra = self.view.compute_logits(gather_rows(self.view.hidden, idx))
+        for part, sel in self.by_part:
+            if part.what != "hidden":
+                self._write_logit_part(part, sel, logits, extra)
+
+    def _write_logit_part(self, part: _Part, sel: np.ndarray, logits: torch.Tensor, extra) -> None:
+        core = self.core
+        block, flat, extra_idx, sampled_idx = self.rows.logit_rows(sel)
+        segments = []
+        if len(extra_idx):
+            segments.append((extra, extra_idx))
+        if len(sampled_idx):
+            segments.append((logits, sampled_idx))
+        if part.what == "logits":
+            segments = [(core._shard(t)[0], i) for t, i in segments]
+            _, sl, full = core._shard(logits if logits is not None else extra)
+            records = [(_LOGITS_ID, segments, sl, full, part.to_f32)]
+        else:
+            blocks = [gather_rows(t, i) for t, i in segments]
+            rows = blocks[0] if len(blocks) == 1 else torch.cat(blocks)  # cat would copy even one
+            if part.what == "topk":
+                values, ids = torch.topk(rows, part.topk, dim=-1, sorted=True)
+                k = part.topk
+                records = [(_TOPK_IDS_ID, [(ids.to(torch.int32), None)], (0, k), k, False),
+                           (_TOPK_VALUES_ID, [(values, None)], (0, k), k, part.to_f32)]
+            else:
+                chosen = rows[:, core._indices_tensor(part.indices)]
+                k = chosen.shape[-1]
+                records = [(_CHOSEN_ID, [(chosen, None)], (0, k), k, part.to_f32)]
+        self._write(records, block, flat)
+
+    def _write(self, records, block: np.ndarray, flat: np.ndarray) -> None:
+        core = self.core
+        n = block.shape[1]
+        for tid, segments, sl, full, to_f32 in records:
+            dtype = segments[0][0].dtype
+            if to_f32 and dtype.is_floating_point and dtype != torch.float32:
+                dtype = torch.float32
+            width = sl[1] - sl[0]
+            if n > 1 and n * width * dtype.itemsize > core.max_record_bytes:
+                # Too big to share a record (many prefill chunks of full logits): one per request.
+                self._write_split(tid, segments, sl, full, dtype, block, flat)
+                continue
+            core.publisher.write(self.table, block, tid, dtype=dtype, width=width, slice_=sl, full_dim=full,
+                                 step=core.step, segments=segments,
+                                 device_ids=None if self.device_ids is None else (self.device_ids, flat))
+
+    def _write_split(self, tid, segments, sl, full, dtype, block, flat) -> None:
+        """A record's rows written as one record per request (its rows picked out of each segment)."""
+        seg_of_row = np.concatenate([np.full(len(i) if i is not None else t.shape[0], k)
+                                     for k, (t, i) in enumerate(segments)])
+        seg_start = np.cumsum([0] + [len(i) if i is not None else t.shape[0] for t, i in segments])
+        for slot in np.unique(block[0]).tolist():
+            mine = np.flatnonzero(block[0] == slot)
+            sub_segments = []
+            for k, (t, i) in enumerate(segments):
+                at = mine[seg_of_row[mine] == k] - seg_start[k]
+                if len(at):
+                    sub_segments.append((t, at if i is None else i[at]))
+            sub = np.ascontiguousarray(block[:, mine])
+            self.core.publisher.write(self.table, sub, tid, dtype=dtype, width=sl[1] - sl[0], slice_=sl,
+                                      full_dim=full, step=self.core.step, segments=sub_segments,
+                                      device_ids=None if self.device_ids is None else (self.device_ids, flat[mine]))
+
+    # -- ending --
+
+    def _report_parts(self, which) -> None:
+        """DROP records for the rows of the parts `which(part)` selects: they will never arrive."""
+        core = self.core
+        for part, sel in self.by_part:
+            if not which(part):
+                continue
+            block = self.rows.rows(sel)[0] if part.what == "hidden" else self.rows.logit_rows(sel)[0]
+            if part.what == "hidden":
+                tids = [_hidden_id(part.layer)]
+            else:
+                tids = {"logits": [_LOGITS_ID], "topk": [_TOPK_IDS_ID, _TOPK_VALUES_ID],
+                        "chosen": [_CHOSEN_ID]}[part.what]
+            for tid in tids:
+                report_drop(core.writer, self.table, block, tid)
+
+    def finish(self) -> None:
+        if self.closed:
+            return
+        if self.wants_logits and not self.logits_done and self.core.is_last_stage:
+            # The runner never produced this step's logits (it should not happen): say so.
+            self.logits_done = True
+            self._report_parts(lambda p: p.what != "hidden")
+        self.core.publisher.end_step()
+        self.closed = True  # only now: if publishing failed, abandon() still gives the records up
+        self.core.writer.flush()
+
+    def abandon(self) -> None:
+        """Our code failed mid-step: nothing of it is published; its rows are reported lost."""
+        if self.closed:
+            return
+        self.closed = True
+        self.core.publisher.abandon_step()
+        self._report_parts(lambda p: True)
+        self.core.writer.flush()
