@@ -463,9 +463,10 @@ def _title(pid: int) -> str:
 
 def server_roles(leader: int) -> dict[int, str]:
     """Every process of a vLLM server's process group by its role: `api` (the group leader, the
-    OpenAI server), `engine` (the engine core), `worker0`, `worker1`, ... (by pid), `other`."""
+    OpenAI server), `engine` (the engine core), `worker0`, `worker1`, ... (by title, which names the
+    rank: `VLLM::Worker_TP1`), `other`."""
     roles: dict[int, str] = {}
-    workers = []
+    workers: list[tuple[str, int]] = []
     for pid in sorted(group_pids(leader)):
         title = _title(pid)
         if pid == leader:
@@ -473,10 +474,10 @@ def server_roles(leader: int) -> dict[int, str]:
         elif "EngineCore" in title:
             roles[pid] = "engine"
         elif "Worker" in title:
-            workers.append(pid)
+            workers.append((title, pid))
         else:
             roles[pid] = "other"
-    for i, pid in enumerate(workers):
+    for i, (_, pid) in enumerate(sorted(workers)):
         roles[pid] = f"worker{i}"
     return roles
 
