@@ -64,9 +64,15 @@ def _sigterm_to_exit(signum, frame) -> None:
 @click.option("--repeats", type=click.IntRange(min=1), default=None, help="Repeats of every part (default per part).")
 @click.option("--latest/--no-latest", default=None, help="Also write tools/bench/LATEST.md (default: for a full `all`).")
 # serving
+@click.option("--model", "preset", type=click.Choice(("default", "small")), default="default", show_default=True,
+              help="Serving preset: 'default' (8 x 1024, vocabularies 32000 and 128256, configs a-f) or 'small' "
+                   "(8 x 512, vocabulary 32000, configs a b t h l e, 7 repeats; per-process CPU per request).")
 @click.option("--vocab", default=None, metavar="V,V", help="Serving vocabulary points (first gets every config). [32000,128256]")
-@click.option("--configs", default=None, metavar="abcde", help="Serving configurations at the first point.")
+@click.option("--configs", default=None, metavar="abthle", help="Serving configurations at the first point (letters of "
+              "a b c d e f t h l; see `vllm_tap.tools.bench.serving`).")
 @click.option("--extra-configs", default=None, metavar="abcd", help="Serving configurations at later points.")
+@click.option("--warmup-rounds", type=click.IntRange(min=0), default=None,
+              help="Unmeasured rounds of every serving configuration first. [small: 1, default: 0]")
 @click.option("--requests", "num_requests", type=click.IntRange(min=1), default=None, help="Requests per run. [64]")
 @click.option("--prompt-len", type=click.IntRange(min=2), default=None, help="[128]")
 @click.option("--output-len", type=click.IntRange(min=2), default=None, help="[64]")
@@ -136,7 +142,7 @@ def bench(what: str, out: str, into: str | None, quick: bool, repeats: int | Non
         else:
             from vllm_tap.tools.bench import serving
 
-            p = serving.ServingParams.quick() if quick else serving.ServingParams()
+            p = serving.ServingParams.preset_params(opt["preset"], quick)
             if repeats:
                 p.repeats = repeats
             m = p.model
@@ -144,12 +150,16 @@ def bench(what: str, out: str, into: str | None, quick: bool, repeats: int | Non
                               ("kv_heads", "num_kv_heads"), ("intermediate", "intermediate_size")):
                 if opt[key]:
                     setattr(m, attr, opt[key])
-            for key in ("num_requests", "prompt_len", "output_len", "concurrency", "d_requests"):
+            for key in ("num_requests", "prompt_len", "output_len", "concurrency", "d_requests", "warmup_rounds"):
                 if opt[key] is not None:
                     setattr(p, key, opt[key])
             p.vocab_sizes = _ints(opt["vocab"]) or p.vocab_sizes
             p.tap_layers = _ints(opt["tap_layers"]) or p.tap_layers
             if opt["configs"]:
+                unknown = sorted(set(opt["configs"]) - set(serving.CONFIGS) - {","})
+                if unknown:
+                    raise click.BadParameter(f"unknown configuration {unknown[0]!r}; known: {''.join(serving.CONFIGS)}",
+                                             param_hint="--configs")
                 p.configs = [c for c in opt["configs"] if c in serving.CONFIGS]
             if opt["extra_configs"] is not None:
                 p.extra_point_configs = [c for c in opt["extra_configs"] if c in serving.CONFIGS]

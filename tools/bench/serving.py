@@ -10,6 +10,14 @@ Configurations (one request set, streamed, `ignore_eos` so every request makes e
   e  no tap: top-20 logprobs in the JSON
   f  as (c), but output positions only: no prompt rows, so no extra lm-head pass over the prompt
      (vLLM computes logits only for sampled rows; (c)'s prompt logits are compute the user asks for)
+  t  top-20 logits at the output positions (10 kB per request at 64 outputs), drained
+  h  2 layers at every prompt and output position, no logits, drained
+  l  full logits at the output positions, no layers, drained
+
+Presets (`--model`): `default` (8 layers x 1024 hidden, vocabularies 32000 and 128256, configs
+a-f, 3 repeats: what the tap costs at scale) and `small` (8 layers x 512 hidden, vocabulary 32000,
+configs a b t h l e, 7 repeats: a model small enough that the tap's fixed costs per step, per
+request and per record show, issue 16).
 
 Servers: one with the plugin off (a, d, e) and one with it on (b, c); both get the same flags
 otherwise (`--max-logprobs -1 --logprobs-mode raw_logits`, which change nothing for requests that
@@ -19,7 +27,11 @@ configurations run in turn (A B C D E, order rotated per repeat), and ratios to 
 a repeat, then the median over repeats is reported.
 
 Metrics per run: output tokens/s over the run's wall time, TTFT and inter-token latency (the gaps
-between streamed events, as vLLM's own benchmark counts them) p50/p99, response bytes per request.
+between streamed events, as vLLM's own benchmark counts them) p50/p99, response bytes per request,
+and the CPU seconds (utime+stime from /proc, deltas over the measured window) of every process:
+the measured server's API process, engine core and each worker, the daemon, the subscriber, this
+load generator, the other (idle) server, and what the rest of the machine used (all busy CPU time
+in /proc/stat minus ours): on a shared machine that last column says how loaded it was.
 """
 
 from __future__ import annotations
@@ -50,13 +62,29 @@ CONFIGS: dict[str, str] = {
     "d": "no tap, full-vocab logprobs JSON",
     "e": "no tap, top-20 logprobs JSON",
     "f": "full logits + 2 layers, output positions only, drained",
+    "t": "top-20 logits, output positions, drained",
+    "h": "2 layers, every position, drained",
+    "l": "full logits, output positions, drained",
 }
-SERVER_OF = {"a": "plain", "b": "tap", "c": "tap", "d": "plain", "e": "plain", "f": "tap"}
-CAPTURING = ("c", "f")
+SERVER_OF = {"a": "plain", "b": "tap", "c": "tap", "d": "plain", "e": "plain", "f": "tap", "t": "tap", "h": "tap",
+             "l": "tap"}
+CAPTURING = ("c", "f", "t", "h", "l")
+# What each capturing configuration asks for: logits mode, whether it takes the bench's layers,
+# and which positions.
+TAP_SPECS: dict[str, dict[str, Any]] = {
+    "c": {"logits": "full", "layers": True, "positions": "all"},
+    "f": {"logits": "full", "layers": True, "positions": "output"},
+    "t": {"logits": "topk", "layers": False, "positions": "output"},
+    "h": {"logits": "none", "layers": True, "positions": "all"},
+    "l": {"logits": "full", "layers": False, "positions": "output"},
+}
+PRESETS = ("default", "small")
 INSTANCE = "bench"
 TARGET_TPUT = 0.99  # (b), (c) output tok/s >= 0.99 x (a)
 TARGET_ITL_P99 = 1.02  # (b), (c) ITL p99 <= 1.02 x (a)
 TARGET_C_OVER_D = 20.0  # (c) output tok/s >= 20 x (d)
+# issue 16, small preset: output tok/s ratio to (a) per configuration
+TARGET_SMALL_TPUT = {"b": 0.99, "t": 0.98, "h": 0.95, "l": 0.95}
 
 
 @dataclass
@@ -102,6 +130,9 @@ class ServingParams:
     kv_cache_gib: int = 1
     max_model_len: int = 1024
     server_timeout_s: float = 600.0
+    topk: int = 20  # k of (t)
+    warmup_rounds: int = 0  # unmeasured rounds of every configuration before the measured repeats
+    preset: str = "default"
     models_dir: str = field(default_factory=lambda: os.environ.get("VLLM_TAP_BENCH_MODELS", "/tmp/vllm-tap-bench-models"))
 
     @classmethod
@@ -110,6 +141,31 @@ class ServingParams:
                                    intermediate_size=512),
                    vocab_sizes=[2048], num_requests=8, prompt_len=32, output_len=16, concurrency=4, repeats=1,
                    tap_layers=[1, 3], d_requests=4, ring_mb=64, max_model_len=512)
+
+    @classmethod
+    def small(cls) -> "ServingParams":
+        """Issue 16's model: small enough that fixed costs per step, request and record dominate."""
+        return cls(model=ModelSpec(vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
+                                   intermediate_size=1408),
+                   vocab_sizes=[32000], configs=list("abthle"), extra_point_configs=[], num_requests=32,
+                   prompt_len=128, output_len=64, concurrency=8, repeats=7, tap_layers=[2, 5], preset="small",
+                   warmup_rounds=1)
+
+    @classmethod
+    def small_quick(cls) -> "ServingParams":
+        """The small preset's configurations on a smaller load: a smoke check of the harness."""
+        p = cls.small()
+        p.model = ModelSpec(vocab_size=2048, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                            intermediate_size=512)
+        p.vocab_sizes, p.tap_layers, p.ring_mb, p.max_model_len = [2048], [1, 3], 64, 512
+        p.num_requests, p.prompt_len, p.output_len, p.concurrency, p.repeats, p.warmup_rounds = 8, 32, 16, 4, 2, 0
+        return p
+
+    @classmethod
+    def preset_params(cls, name: str, quick: bool) -> "ServingParams":
+        if name == "small":
+            return cls.small_quick() if quick else cls.small()
+        return cls.quick() if quick else cls()
 
     def ring_bytes_for(self, vocab: int) -> int:
         """Room for two steps' worth of prefill captures of every concurrent request."""
@@ -143,8 +199,13 @@ def request_body(model: str, text: str, p: ServingParams, config: str, key: str,
         "stream": True, "stream_options": {"include_usage": True},
     }
     if config in CAPTURING:
-        positions = "all" if config == "c" else "output"
-        body["vllm_xargs"] = {"tap": 1, "tap_layers": list(p.tap_layers), "tap_positions": positions, "tap_key": key}
+        t = TAP_SPECS[config]
+        xargs: dict[str, Any] = {"tap": 1, "tap_logits": t["logits"],
+                                 "tap_layers": list(p.tap_layers) if t["layers"] else "none",
+                                 "tap_positions": t["positions"], "tap_key": key}
+        if t["logits"] == "topk":
+            xargs["tap_topk"] = p.topk
+        body["vllm_xargs"] = xargs
     elif config == "d":
         body["logprobs"] = -1
     elif config == "e":
@@ -225,7 +286,36 @@ async def _load(base_url: str, bodies: list[dict[str, Any]], concurrency: int, o
 # -- the subscriber that drains (c) --
 
 
-def _drainer_main(endpoint: str, threads: int, vocab: int, layers: list[int], keys: Any, results: Any) -> None:
+def expected_positions(config: str, p: ServingParams) -> int:
+    """Positions a capture of this configuration holds: every computed position (the last token is
+    never fed back) for 'all'; output positions start at P-1."""
+    return p.prompt_len + p.output_len - 1 if TAP_SPECS[config]["positions"] == "all" else p.output_len
+
+
+def expected_arrays(config: str, p: ServingParams, vocab: int) -> dict[str, Any]:
+    t = TAP_SPECS[config]
+    return {"logits": t["logits"], "vocab": vocab, "topk": p.topk,
+            "layers": sorted(p.tap_layers) if t["layers"] else []}
+
+
+def _chunk_ok(item: Any, want: dict[str, Any]) -> bool:
+    n = len(item)
+    if sorted(item.hidden) != want["layers"]:
+        return False
+    if want["logits"] == "full":
+        return item.logits is not None and item.logits.shape == (n, want["vocab"])
+    if want["logits"] == "topk":
+        return (item.topk_ids is not None and item.topk_ids.shape == (n, want["topk"])
+                and item.topk_values is not None and item.topk_values.shape == (n, want["topk"]))
+    return item.logits is None and item.topk_ids is None
+
+
+def _chunk_bytes(item: Any) -> int:
+    arrays = [item.logits, item.topk_ids, item.topk_values, *item.hidden.values()]
+    return sum(a.nbytes for a in arrays if a is not None)
+
+
+def _drainer_main(endpoint: str, threads: int, want: dict[str, Any], keys: Any, results: Any) -> None:
     """Subscribe by tap_key to every capture named on `keys`, count what arrives, report each."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -246,9 +336,8 @@ def _drainer_main(endpoint: str, threads: int, vocab: int, layers: list[int], ke
                     in_order &= next_pos is None or item.start == next_pos
                     next_pos = item.stop
                     got += len(item)
-                    lg = item.logits
-                    shape_ok &= lg is not None and lg.shape == (len(item), vocab) and sorted(item.hidden) == layers
-                    nbytes += (lg.nbytes if lg is not None else 0) + sum(a.nbytes for a in item.hidden.values())
+                    shape_ok &= _chunk_ok(item, want)
+                    nbytes += _chunk_bytes(item)
                 else:
                     gaps += len(item.positions)
                     next_pos = item.positions.stop
@@ -272,10 +361,10 @@ def _drainer_main(endpoint: str, threads: int, vocab: int, layers: list[int], ke
 
 
 class Drainer:
-    def __init__(self, endpoint: str, threads: int, vocab: int, layers: list[int]):
+    def __init__(self, endpoint: str, threads: int, want: dict[str, Any]):
         ctx = mp.get_context("spawn")
         self.keys, self.results = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=_drainer_main, args=(endpoint, threads, vocab, sorted(layers), self.keys, self.results),
+        self.proc = ctx.Process(target=_drainer_main, args=(endpoint, threads, want, self.keys, self.results),
                                 daemon=True)
         self.proc.start()
         msg = self.results.get(timeout=120)
@@ -363,29 +452,94 @@ def _start_server(kind: str, model_path: str, p: ServingParams, vocab: int, work
 # -- one run --
 
 
-def _cpu(pids: list[int]) -> float:
-    return sum(proc_cpu_seconds(pid) for pid in pids)
+def _title(pid: int) -> str:
+    """The process title (vLLM sets `VLLM::EngineCore`, `VLLM::Worker_TP0`, ... with setproctitle)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def server_roles(leader: int) -> dict[int, str]:
+    """Every process of a vLLM server's process group by its role: `api` (the group leader, the
+    OpenAI server), `engine` (the engine core), `worker0`, `worker1`, ... (by title, which names the
+    rank: `VLLM::Worker_TP1`), `other`."""
+    roles: dict[int, str] = {}
+    workers: list[tuple[str, int]] = []
+    for pid in sorted(group_pids(leader)):
+        title = _title(pid)
+        if pid == leader:
+            roles[pid] = "api"
+        elif "EngineCore" in title:
+            roles[pid] = "engine"
+        elif "Worker" in title:
+            workers.append((title, pid))
+        else:
+            roles[pid] = "other"
+    for i, (_, pid) in enumerate(sorted(workers)):
+        roles[pid] = f"worker{i}"
+    return roles
+
+
+def system_busy_seconds() -> float:
+    """CPU seconds the whole machine spent busy (all CPUs, everything but idle and iowait)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return float("nan")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds of named processes over a window: `start()`, then `stop()` gives the deltas by
+    role (roles with several pids add up). Also the machine's busy CPU seconds over the window."""
+
+    def __init__(self, roles: dict[int, str]):
+        self.roles = roles
+        self._before: dict[int, float] = {}
+        self._busy0 = self._t0 = 0.0
+
+    def start(self) -> None:
+        self._before = {pid: proc_cpu_seconds(pid) for pid in self.roles}
+        self._busy0 = system_busy_seconds()
+        self._t0 = time.monotonic()
+
+    def stop(self) -> tuple[dict[str, float], float, float]:
+        """(CPU seconds by role, machine busy seconds, window seconds)."""
+        out: dict[str, float] = {}
+        for pid, role in self.roles.items():
+            out[role] = out.get(role, 0.0) + max(0.0, proc_cpu_seconds(pid) - self._before[pid])
+        return out, system_busy_seconds() - self._busy0, time.monotonic() - self._t0
 
 
 def _run_config(server: _Server, config: str, model_path: str, p: ServingParams, vocab: int, seed: int,
-                run_id: str) -> dict[str, Any]:
+                run_id: str, others: list[_Server] = ()) -> dict[str, Any]:
     n = p.requests_for(config)
     texts = prompts(p, vocab, seed, n)
     keys = [f"{run_id}-{i}" for i in range(n)]
     bodies = [request_body(model_path, texts[i], p, config, keys[i], vocab) for i in range(n)]
-    # Every computed position (the last token is never fed back); output positions start at P-1.
-    expected = p.prompt_len + p.output_len - 1 if config == "c" else p.output_len
+    expected = expected_positions(config, p) if config in CAPTURING else 0
     drainer = None
-    server_pids = group_pids(server.handle.proc.pid)
-    daemon_pid = server.daemon.proc.pid if server.daemon is not None else None
+    # The measured server's processes by role; the daemon counts as the tap's when the tap server
+    # is measured and as background otherwise, like the idle server.
+    roles = server_roles(server.handle.proc.pid)
+    for other in others:
+        roles.update({pid: "background" for pid in group_pids(other.handle.proc.pid)})
+    for s in (server, *others):
+        if s.daemon is not None and s.daemon.proc is not None:
+            roles[s.daemon.proc.pid] = "daemon" if s is server else "background"
+    meter = CpuMeter(roles)
     if config in CAPTURING:
-        drainer = Drainer(server.endpoint, threads=2 * p.concurrency + 4, vocab=vocab, layers=p.tap_layers)
-    before = {"server": _cpu(server_pids), "daemon": proc_cpu_seconds(daemon_pid) if daemon_pid else 0.0}
-    client_cpu0 = time.process_time()
+        drainer = Drainer(server.endpoint, threads=2 * p.concurrency + 4, want=expected_arrays(config, p, vocab))
     drops0 = _drops(server)
     load0 = loadavg()[0]
     wall0 = time.time()
     on_send = (lambda i: drainer.add(keys[i], expected)) if drainer is not None else None
+    meter.start()
+    client_cpu0 = time.process_time()
     try:
         results, t0, t1 = asyncio.run(_load(server.handle.base_url, bodies, p.concurrency, on_send))
         t_http_end = time.time()
@@ -398,11 +552,17 @@ def _run_config(server: _Server, config: str, model_path: str, p: ServingParams,
     finally:
         if drainer is not None:
             drainer.stop()
-    cpu = {"server": _cpu(server_pids) - before["server"],
-           "daemon": (proc_cpu_seconds(daemon_pid) - before["daemon"]) if daemon_pid else 0.0,
-           "client": time.process_time() - client_cpu0}
+    client_cpu = time.process_time() - client_cpu0
+    by_role, busy, window = meter.stop()
+    vllm_roles = [r for r in by_role if r in ("api", "engine", "other") or r.startswith("worker")]
+    cpu = {"server": sum(by_role[r] for r in vllm_roles), "daemon": by_role.get("daemon", 0.0), "client": client_cpu}
+    procs = {r: v for r, v in by_role.items() if r != "background"}
+    procs["subscriber"] = drainer_cpu
+    ours = sum(by_role.values()) + drainer_cpu + client_cpu
     out = _metrics(results, t0, t1, p)
-    out.update(config=config, requests=n, cpu_s=cpu, loadavg1=load0, started=wall0)
+    out.update(config=config, requests=n, cpu_s=cpu, proc_cpu_s=procs, background_cpu_s=by_role.get("background", 0.0),
+               client_cpu_s=client_cpu, foreign_cpu_s=max(0.0, busy - ours), window_s=window, cpus=os.cpu_count(),
+               loadavg1=load0, loadavg1_end=loadavg()[0], started=wall0)
     if config in CAPTURING:
         out["drain"] = _drain_summary(drained, n, expected, t_http_end)
         out["cpu_s"]["drainer"] = drainer_cpu
@@ -468,16 +628,19 @@ def _model_path(p: ServingParams, vocab: int) -> tuple[str, ModelSpec]:
     return path, spec
 
 
-def _warmup(server: _Server, model_path: str, p: ServingParams, vocab: int, echo, brief: bool = False) -> None:
-    """Unmeasured requests. At start-up: one wave of full requests and a capture of each kind, so
-    no measured run pays first-request costs. Brief (before every run): one wave of short requests,
-    because a server that sat idle while the other one was measured runs its first requests slowly
-    (seconds on this machine) and that would land on whichever configuration comes first."""
+def _warmup(server: _Server, model_path: str, p: ServingParams, vocab: int, echo, brief: bool = False,
+            configs: list[str] = ()) -> None:
+    """Unmeasured requests. At start-up: one wave of full requests and a short request of each of
+    `configs` this server runs (captures, logprobs), so no measured run pays first-request costs.
+    Brief (before every run): one wave of short requests, because a server that sat idle while the
+    other one was measured runs its first requests slowly (seconds on this machine) and that would
+    land on whichever configuration comes first."""
     texts = prompts(p, vocab, seed=10**6 + time.time_ns() % 10**6, n=p.concurrency)
     short = ServingParams(**{**asdict(p), "model": p.model, "output_len": 4})
     bodies = [request_body(model_path, texts[i], short if brief else p, "a", "", vocab) for i in range(p.concurrency)]
-    if server.kind == "tap" and not brief:  # and captures, so the first measured capture run is not the first
-        bodies += [request_body(model_path, texts[0], short, c, f"warmup-{c}-{time.time_ns()}", vocab) for c in CAPTURING]
+    if not brief:
+        bodies += [request_body(model_path, texts[0], short, c, f"warmup-{c}-{time.time_ns()}", vocab)
+                   for c in configs if c != "a" and SERVER_OF[c] == server.kind]
     results, _, _ = asyncio.run(_load(server.handle.base_url, bodies, p.concurrency))
     bad = [r.error for r in results if not r.ok]
     if bad:
@@ -497,13 +660,24 @@ def run_point(p: ServingParams, vocab: int, configs: list[str], workdir: str, ec
     try:
         for kind in kinds:
             servers[kind] = _start_server(kind, model_path, p, vocab, workdir, shm, sock, started, echo)
-            _warmup(servers[kind], model_path, p, vocab, echo)
-        for r in range(p.repeats):
+            _warmup(servers[kind], model_path, p, vocab, echo, configs=configs)
+        for r in range(-p.warmup_rounds, p.repeats):
             order = configs[r % len(configs):] + configs[: r % len(configs)]
+            if r < 0:
+                # a whole round, unmeasured: the first runs after start-up are slow for a while
+                # (caches, allocator, the other server's start-up settling) whatever the configuration
+                t = time.monotonic()
+                for config in order:
+                    _warmup(servers[SERVER_OF[config]], model_path, p, vocab, echo, brief=True)
+                    _run_config(servers[SERVER_OF[config]], config, model_path, p, vocab, 10**5 * (1 - r) + list(CONFIGS).index(config),
+                                f"v{vocab}-w{-r}-{config}", [s for k, s in servers.items() if k != SERVER_OF[config]])
+                echo(f"  warm-up round {-r} (unmeasured) in {time.monotonic() - t:.0f} s")
+                continue
             for config in order:
                 seed = 1000 * r + list(CONFIGS).index(config)  # a fresh request set per run
                 _warmup(servers[SERVER_OF[config]], model_path, p, vocab, echo, brief=True)
-                run = _run_config(servers[SERVER_OF[config]], config, model_path, p, vocab, seed, f"v{vocab}-r{r}-{config}")
+                run = _run_config(servers[SERVER_OF[config]], config, model_path, p, vocab, seed, f"v{vocab}-r{r}-{config}",
+                                  [s for k, s in servers.items() if k != SERVER_OF[config]])
                 run["repeat"] = r
                 runs.append(run)
                 extra = ""
@@ -516,6 +690,10 @@ def run_point(p: ServingParams, vocab: int, configs: list[str], workdir: str, ec
                      f"ITL p50/p99 {run['itl_p50_ms']:.1f}/{run['itl_p99_ms']:.1f} ms  "
                      f"{run['bytes_per_request'] / 1e3:.0f} kB/request{extra}"
                      f"{'  FAILED ' + str(run['errors']) if run['failed'] else ''}")
+                cpr = cpu_per_request(run)
+                echo("      CPU ms/request: " + "  ".join(
+                    f"{k} {cpr[k]:.1f}" for k in ("api", "engine", "workers", "daemon", "subscriber") if k in cpr)
+                    + f"  | load {run['loadavg1']:.2f}, other jobs {100 * run['foreign_cpu_s'] / (run['window_s'] * run['cpus']):.0f}% of the CPUs")
     finally:
         from vllm_tap.tools.launch import DaemonHandle
 
@@ -532,6 +710,29 @@ def run_point(p: ServingParams, vocab: int, configs: list[str], workdir: str, ec
 
 
 RATIO_METRICS = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_ms")
+# CPU ms per request, by process and in sums (derived per run by cpu_per_request)
+CPU_GROUPS = ("vllm", "tap", "total")
+CPU_RATIO_KEYS = ("api", "engine", "workers", "vllm", "total")
+
+
+def cpu_per_request(run: dict[str, Any]) -> dict[str, float]:
+    """CPU milliseconds per request of one run: each process (api, engine, worker0.., daemon,
+    subscriber), `workers` (all workers), `vllm` (every process of the server), `tap` (daemon +
+    subscriber) and `total`; empty for results written before per-process times were kept."""
+    procs = run.get("proc_cpu_s")
+    if not procs or not run.get("requests"):
+        return {}
+    k = 1e3 / run["requests"]
+    out = {role: v * k for role, v in procs.items()}
+    out["workers"] = sum(v for role, v in out.items() if role.startswith("worker"))
+    out["vllm"] = sum(out.get(r, 0.0) for r in ("api", "engine", "workers", "other"))
+    out["tap"] = out.get("daemon", 0.0) + out.get("subscriber", 0.0)
+    out["total"] = out["vllm"] + out["tap"]
+    return out
+
+
+def _stat(values: list[float]) -> dict[str, Any]:
+    return {"median": median(values), "range": spread(values), "n": len(values)}
 
 
 def summarise(runs: list[dict[str, Any]], configs: list[str], repeats: int) -> dict[str, Any]:
@@ -555,6 +756,32 @@ def summarise(runs: list[dict[str, Any]], configs: list[str], repeats: int) -> d
                     per.append(r[m] / base[0][m])
             ratios[m] = {"median": median(per), "range": spread(per), "n": len(per)}
         row["ratio_to_a"] = ratios
+        base_of = {a["repeat"]: a for a in runs if a["config"] == "a"}
+        per_run = [(r, cpu_per_request(r)) for r in rs]
+        per_run = [(r, d) for r, d in per_run if d]
+        if per_run:
+            roles = sorted({k for _, d in per_run for k in d})
+            row["cpu_ms_per_request"] = {k: _stat([d.get(k, 0.0) for _, d in per_run]) for k in roles}
+            cr: dict[str, Any] = {}
+            extra: dict[str, Any] = {}
+            for k in CPU_RATIO_KEYS:
+                ratio, delta = [], []
+                for r, d in per_run:
+                    b = cpu_per_request(base_of[r["repeat"]]) if r["repeat"] in base_of else {}
+                    if b.get(k, 0) > 0:
+                        ratio.append(d.get(k, 0.0) / b[k])
+                        delta.append(d.get(k, 0.0) - b[k])
+                cr[k] = _stat(ratio)
+                extra[k] = _stat(delta)
+            row["cpu_ratio_to_a"] = cr
+            row["cpu_extra_ms_per_request"] = extra  # minus (a)'s in the same repeat
+            row["background_ms_per_request"] = _stat([1e3 * r.get("background_cpu_s", 0.0) / r["requests"] for r, _ in per_run])
+            row["load"] = {
+                "loadavg1": _stat([r["loadavg1"] for r, _ in per_run]),
+                # share of the machine's CPUs that other jobs used during the run
+                "foreign_share": _stat([r["foreign_cpu_s"] / (r["window_s"] * r["cpus"]) for r, _ in per_run
+                                        if r.get("window_s") and r.get("cpus")]),
+            }
         if c in CAPTURING:
             ds = [r["drain"] for r in rs]
             row["drain"] = {
@@ -572,6 +799,13 @@ def summarise(runs: list[dict[str, Any]], configs: list[str], repeats: int) -> d
             if d and d[0]["tok_s"] > 0:
                 per.append(r["tok_s"] / d[0]["tok_s"])
         out["c_over_d"] = {"median": median(per), "range": spread(per)}
+    if "t" in out and "e" in out:  # issue 16: the tap's top-20 at least as fast as vLLM's own
+        per = []
+        for r in (x for x in runs if x["config"] == "t"):
+            e = [x for x in runs if x["config"] == "e" and x["repeat"] == r["repeat"]]
+            if e and e[0]["tok_s"] > 0:
+                per.append(r["tok_s"] / e[0]["tok_s"])
+        out["t_over_e"] = {"median": median(per), "range": spread(per)}
     return out
 
 
