@@ -24,11 +24,6 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)  # tests import synthetic_writer
 
-# DaemonConfig field -> `vllm-tap daemon` flag.
-DAEMON_FLAGS = {
-    "retain_bytes": "--retain-bytes", "retain_ttl_s": "--retain-ttl", "end_grace_s": "--end-grace",
-    "poll_interval_s": "--poll-interval", "subscriber_queue": "--subscriber-queue", "log_level": "--log-level",
-}
 
 
 @pytest.fixture
@@ -58,13 +53,23 @@ class DaemonProcess:
 
     def argv(self) -> list[str]:
         argv = [sys.executable, "-m", "vllm_tap.cli", "daemon", "--shm-dir", self.shm_dir, "--endpoint", self.endpoint]
+        from vllm_tap.daemon.config_load import flag_name
+
         for k, v in self.settings.items():
-            argv += [DAEMON_FLAGS[k], str(v)]
+            argv += [flag_name(k), str(v)]
         return argv
 
-    def start(self, wait: bool = True) -> "DaemonProcess":
+    def start(self, wait: bool = True, nofile: int | None = None) -> "DaemonProcess":
+        """nofile: start it with this soft descriptor limit (the hard one stays)."""
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=log)
+        preexec = None
+        if nofile is not None:
+            import resource
+
+            def preexec() -> None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+        self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=log, preexec_fn=preexec)
         log.close()
         if wait:
             self.wait_ready()
@@ -127,12 +132,12 @@ def daemon_factory(shm_dir, sock_dir):
     """Start daemons on this test's shm dir: daemon_factory(**DaemonConfig fields) -> DaemonProcess."""
     made: list[DaemonProcess] = []
 
-    def make(*, start: bool = True, endpoint: str | None = None, **settings) -> DaemonProcess:
+    def make(*, start: bool = True, endpoint: str | None = None, nofile: int | None = None, **settings) -> DaemonProcess:
         settings.setdefault("log_level", "INFO")
         d = DaemonProcess(shm_dir, endpoint or f"ipc://{sock_dir}/d{len(made)}.sock",
                           os.path.join(sock_dir, f"daemon{len(made)}.log"), settings)
         made.append(d)
-        return d.start() if start else d
+        return d.start(nofile=nofile) if start else d
 
     yield make
     for d in made:

@@ -1,4 +1,9 @@
-"""The reassembler as a pure state machine: records in, events out; no IO, time passed in."""
+"""The reassembler as a pure state machine: records in, events out; no IO, time passed in.
+
+Tests of joining and ordering use `plain()`, a reassembler that does not hold back the newest
+position (HOLD_NEWEST, for async scheduling), so each step's positions come out at once; the hold
+itself, the ends without an END, tails, budgets and restarts have tests of their own below, with
+the daemon's defaults."""
 
 from __future__ import annotations
 
@@ -9,12 +14,17 @@ from vllm_tap.daemon.reassembly import (
     DROPPED, INCOMPLETE, NOT_CAPTURED, TIMEOUT, WRITER_GONE, Begin, End, Gap, Reassembler, Tokens,
 )
 from vllm_tap.records import RingRecord, TensorId
+from vllm_tap.ring_schema import control_record
 from vllm_tap.spec import CaptureSpec
 
 V = 8  # vocab
 H = 4  # hidden
 LOGITS = TensorId(rf.TensorKind.LOGITS)
 RID = "req-1"
+
+
+def plain(instance: str = "default", **kw) -> Reassembler:
+    return Reassembler(instance, hold_newest=0, **kw)
 
 
 def vals(name: str, positions, s0: int, s1: int) -> np.ndarray:
@@ -24,7 +34,7 @@ def vals(name: str, positions, s0: int, s1: int) -> np.ndarray:
 
 
 def data(step, positions, *, tensor=LOGITS, rank=0, expected=1, parts=1, s=None, full=None, rid=RID,
-         source=None, n_prompt=4) -> RingRecord:
+         source=None, n_prompt=4, start=-1, tail=0, origin="client") -> RingRecord:
     full = full or (V if tensor.kind == rf.TensorKind.LOGITS else H)
     s0, s1 = s or (0, full)
     pos = np.asarray(positions, np.int32)
@@ -32,24 +42,32 @@ def data(step, positions, *, tensor=LOGITS, rank=0, expected=1, parts=1, s=None,
         kind=rf.RecordKind.DATA, request_id=rid, step=step, rank=rank, expected_ranks=expected, rank_parts=parts,
         tensor=tensor, dtype=rf.DType.FLOAT32, slice_start=s0, slice_stop=s1, full_dim=full, num_prompt_tokens=n_prompt,
         positions=pos, token_ids=pos + 1000, data=vals(tensor.name, pos, s0, s1), ring=source or f"rank-{rank:05d}.ring",
+        start=start, tail=tail, source=origin,
     )
 
 
 def begin(rid=RID, n_prompt=4, spec=None) -> RingRecord:
-    return RingRecord(kind=rf.RecordKind.BEGIN, request_id=rid, rank=rf.ENGINE_RANK, ring="engine.ring", meta={
+    return control_record(rf.RecordKind.BEGIN, rid, {
         "spec": (spec or CaptureSpec()).to_meta(), "num_prompt_tokens": n_prompt,
         "prompt_token_ids": list(range(n_prompt)), "n": 1, "model": "m"})
 
 
-def end(end_position, rid=RID, n_prompt=4, reason="stop") -> RingRecord:
-    return RingRecord(kind=rf.RecordKind.END, request_id=rid, rank=rf.ENGINE_RANK, ring="engine.ring", meta={
-        "reason": reason, "num_prompt_tokens": n_prompt, "num_output_tokens": end_position - n_prompt + 1,
-        "output_token_ids": [7] * (end_position - n_prompt + 1), "end_position": end_position})
+def end(end_position, rid=RID, n_prompt=4, reason="stop", spec=None) -> RingRecord:
+    meta = {"reason": reason, "num_prompt_tokens": n_prompt, "num_output_tokens": end_position - n_prompt + 1,
+            "output_token_ids": [7] * (end_position - n_prompt + 1), "end_position": end_position}
+    if spec is not None:
+        meta.update(spec=spec.to_meta(), source=spec.source)
+    return control_record(rf.RecordKind.END, rid, meta)
 
 
 def drop(positions, rid=RID, rank=0) -> RingRecord:
-    return RingRecord(kind=rf.RecordKind.DROP, request_id=rid, rank=rank, ring=f"rank-{rank:05d}.ring",
-                      meta={"tensor": int(rf.TensorKind.LOGITS), "layer": -1, "positions": list(positions)})
+    return control_record(rf.RecordKind.DROP, rid, {"tensor": int(rf.TensorKind.LOGITS), "layer": -1,
+                                                   "positions": list(positions)},
+                          rank=rank, ring=f"rank-{rank:05d}.ring")
+
+
+def live(*rids) -> RingRecord:
+    return control_record(rf.RecordKind.LIVE, "", {"requests": list(rids)})
 
 
 def feed(r: Reassembler, *records, now=0.0) -> list:
@@ -74,7 +92,7 @@ def the_end(events) -> End:
 
 
 def test_single_rank_in_order_views_and_end():
-    r = Reassembler("inst")
+    r = plain("inst")
     ev = feed(r, begin())
     assert isinstance(ev[0], Begin) and ev[0].start_position == 0 and not ev[0].lazy
     rec = data(0, [0, 1, 2, 3])
@@ -90,7 +108,7 @@ def test_single_rank_in_order_views_and_end():
 
 
 def test_two_rank_slices_join_in_rank_order_whatever_the_arrival_order():
-    r = Reassembler()
+    r = plain()
     feed(r, begin())
     half = V // 2
     ev = feed(r, data(0, [0, 1], rank=1, expected=2, s=(half, V)))
@@ -102,7 +120,7 @@ def test_two_rank_slices_join_in_rank_order_whatever_the_arrival_order():
 
 
 def test_missing_rank_slice_makes_positions_missing_never_a_wrong_concat():
-    r = Reassembler()
+    r = plain()
     feed(r, begin())
     half = V // 2
     # Step 0: only rank 0's slice arrives. Step 1: both. Rank 1 has moved past step 0, so step 0 is lost.
@@ -115,14 +133,14 @@ def test_missing_rank_slice_makes_positions_missing_never_a_wrong_concat():
 
 
 def test_overlapping_slices_are_missing_not_concatenated():
-    r = Reassembler()
+    r = plain()
     feed(r, begin())
     ev = feed(r, data(0, [0], rank=0, expected=2, s=(0, V // 2)), data(0, [0], rank=1, expected=2, s=(0, V // 2)))
     assert delivered(ev) == [] and gaps(ev) == [([0], INCOMPLETE)]
 
 
 def test_pipeline_stages_join_per_token():
-    r = Reassembler()
+    r = plain()
     feed(r, begin(spec=CaptureSpec(layers=(0, 1, 2, 3))))
     hid = [TensorId(rf.TensorKind.HIDDEN, l) for l in range(4)]
     ev = []
@@ -140,7 +158,7 @@ def test_pipeline_stages_join_per_token():
 
 
 def test_out_of_order_completion_is_delivered_in_position_order():
-    r = Reassembler()
+    r = plain()
     feed(r, begin())
     # Step 0 needs both ranks; step 1 only rank 0 (say, top-k written whole by one rank).
     ev = feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, 4)))
@@ -152,7 +170,7 @@ def test_out_of_order_completion_is_delivered_in_position_order():
 
 
 def test_a_group_no_rank_can_complete_any_more_is_missing_at_once():
-    r = Reassembler()
+    r = plain()
     feed(r, begin())
     # Rank 1's step-0 record never arrives but its step-1 record does: rings are FIFO, so step 0
     # can no longer complete (its record was dropped, or consumed by a previous daemon).
@@ -163,7 +181,7 @@ def test_a_group_no_rank_can_complete_any_more_is_missing_at_once():
 
 
 def test_recomputed_positions_are_delivered_once():
-    r = Reassembler()
+    r = plain()
     feed(r, begin())
     ev = feed(r, data(0, [0, 1, 2, 3]), data(1, [4]))
     # Preempted and recomputed from scratch: positions 0..5 again in a later step.
@@ -178,7 +196,7 @@ def test_recomputed_positions_are_delivered_once():
 
 
 def test_drop_is_a_gap_at_once_and_late_slices_of_it_are_ignored():
-    r = Reassembler()
+    r = plain()
     feed(r, begin())
     ev = feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, 4)),
               data(0, [0, 1], rank=1, expected=2, s=(4, 8)))
@@ -191,14 +209,14 @@ def test_drop_is_a_gap_at_once_and_late_slices_of_it_are_ignored():
 
 
 def test_positions_never_written_become_a_gap_once_later_ones_complete():
-    r = Reassembler()
+    r = plain()
     feed(r, begin())
     ev = feed(r, data(0, [3, 4]))  # e.g. a cached prefix was not recomputed
     assert gaps(ev) == [([0, 1, 2], NOT_CAPTURED)] and delivered(ev) == [3, 4]
 
 
 def test_end_before_last_data_waits_then_completes():
-    r = Reassembler(end_grace_s=5.0)
+    r = plain(end_grace_s=5.0)
     feed(r, begin())
     ev = feed(r, data(0, [0, 1, 2, 3]), end(5), now=1.0)
     assert not [e for e in ev if isinstance(e, End)]
@@ -208,7 +226,7 @@ def test_end_before_last_data_waits_then_completes():
 
 
 def test_end_grace_expiry_declares_the_rest_missing():
-    r = Reassembler(end_grace_s=2.0)
+    r = plain(end_grace_s=2.0)
     feed(r, begin())
     ev = feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, 4)), data(1, [2, 3], rank=0, expected=2, s=(0, 4)), now=0.0)
     ev += feed(r, end(6), now=1.0)
@@ -222,14 +240,14 @@ def test_end_grace_expiry_declares_the_rest_missing():
 
 
 def test_dead_worker_makes_pending_groups_missing_after_grace():
-    r = Reassembler(end_grace_s=1.0)
+    r = plain(end_grace_s=1.0)
     feed(r, begin())
     feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, 4), source="rank-00000.ring"),
          data(0, [0, 1], rank=1, expected=2, s=(4, 8), source="rank-00001.ring"))
     feed(r, data(1, [2], rank=0, expected=2, s=(0, 4), source="rank-00000.ring"))
-    r.writer_gone("rank-00001.ring", 10.0)
-    assert r.tick(10.5) == []
-    ev = r.tick(11.0)
+    r.writer_gone("rank-00001.ring", 10.0)  # after its ring was drained: one more read of the others
+    assert r.tick(10.2) == []
+    ev = r.tick(10.25)
     assert gaps(ev) == [([2], WRITER_GONE)]
     assert r.in_flight() == 1  # the engine is alive: it will END the request
     ev = feed(r, end(3), now=11.5)
@@ -238,7 +256,7 @@ def test_dead_worker_makes_pending_groups_missing_after_grace():
 
 
 def test_dead_engine_ends_requests():
-    r = Reassembler(end_grace_s=1.0)
+    r = plain(end_grace_s=1.0)
     feed(r, begin(), data(0, [0, 1]))
     r.writer_gone("engine.ring", 5.0)
     ev = r.tick(6.0)
@@ -247,7 +265,7 @@ def test_dead_engine_ends_requests():
 
 
 def test_data_before_begin_makes_a_lazy_request_then_the_begin_fills_it_in():
-    r = Reassembler()
+    r = plain()
     ev = feed(r, data(0, [0, 1]))
     assert isinstance(ev[0], Begin) and ev[0].lazy and ev[0].spec is None
     assert delivered(ev) == [0, 1]
@@ -258,7 +276,7 @@ def test_data_before_begin_makes_a_lazy_request_then_the_begin_fills_it_in():
 
 
 def test_no_begin_at_all_capture_starts_at_the_first_position_seen():
-    r = Reassembler()
+    r = plain()
     ev = feed(r, data(7, [10, 11]), data(8, [12]), end(13))
     assert delivered(ev) == [10, 11, 12]
     e = the_end(ev)
@@ -266,7 +284,7 @@ def test_no_begin_at_all_capture_starts_at_the_first_position_seen():
 
 
 def test_instances_are_independent():
-    a, b = Reassembler("a"), Reassembler("b")
+    a, b = plain("a"), plain("b")
     ea = feed(a, begin(), data(0, [0]))
     eb = feed(b, begin(), data(0, [0, 1]))
     assert [e.key for e in ea] == [("a", RID)] * 2 and [e.key for e in eb] == [("b", RID)] * 2
@@ -275,7 +293,7 @@ def test_instances_are_independent():
 def test_end_before_any_data_of_a_lazy_request_starts_where_the_data_does():
     # A restarted daemon reads the engine ring first: the END of a request whose BEGIN (and first
     # positions) the previous daemon consumed comes before the rest of its data.
-    r = Reassembler()
+    r = plain()
     ev = feed(r, end(13))
     assert isinstance(ev[0], Begin) and ev[0].lazy and not [e for e in ev if isinstance(e, End)]
     ev = feed(r, data(7, [11, 12]))
@@ -287,7 +305,7 @@ def test_end_before_any_data_of_a_lazy_request_starts_where_the_data_does():
 def test_last_output_holds_positions_until_the_end_names_the_last():
     from vllm_tap.spec import PositionsMode
 
-    r = Reassembler()
+    r = plain()
     ev = feed(r, begin(spec=CaptureSpec(positions=PositionsMode.LAST_OUTPUT)))
     assert ev[0].start_position is None
     # Workers write every output position (the last is unknown while the request runs).

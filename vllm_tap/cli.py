@@ -107,10 +107,11 @@ def subscribe(name: str, index: int | None, instance: str | None, endpoint: str 
         click.echo(f"wrote {out}")
 
 
-def _ranges(ps: list[int]) -> str:
-    from vllm_tap.wire_format import ranges_of
+def _ranges(ps) -> str:
+    from vllm_tap.positions import PositionRanges
 
-    return ",".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in ranges_of(ps))
+    ranges = ps.ranges if isinstance(ps, PositionRanges) else PositionRanges.of(ps).ranges
+    return ",".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in ranges)
 
 
 # -- status --
