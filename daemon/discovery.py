@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
 import stat
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -31,6 +32,7 @@ SCAN_INTERVAL_S = 0.25  # full rescans without inotify
 SAFETY_RESCAN_S = 30.0  # full rescans with inotify (a watch that could not be added, say)
 MAX_REMEMBERED = 1 << 20  # rejected files remembered; beyond, the memory is cleared and they are retried
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_RING_NAME = re.compile(r"^(engine|rank-\d{5})" + re.escape(rf.RING_SUFFIX) + "$")  # vllm_tap.ring.ring_path
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class RingDirectory:
     _instances: dict[str, _Instance] = field(default_factory=dict)
     _by_wd: dict[int, _Instance] = field(default_factory=dict)
     _queue: collections.deque = field(default_factory=collections.deque)
+    _urgent: collections.deque = field(default_factory=collections.deque)  # just created, or named like a ring
     _queued: set = field(default_factory=set)
     _rejected: dict = field(default_factory=dict)  # (instance, name) -> inode
     _walks: collections.deque = field(default_factory=collections.deque)  # bounded walks in progress
@@ -97,8 +100,9 @@ class RingDirectory:
         if inode is not None:
             self._rejected[c.key] = inode
 
-    def step(self, now: float, budget: int = 2048) -> list[Candidate]:
-        """New candidates, doing at most about `budget` units of work (directory entries, events)."""
+    def step(self, now: float, budget: int = 2048, max_candidates: int = 256) -> list[Candidate]:
+        """New candidates (at most `max_candidates`: a ring just created, or named as a writer names
+        one, first), doing at most about `budget` units of work (directory entries)."""
         if self._root < 0 and now - self._root_tried >= SCAN_INTERVAL_S:
             self._root_tried = now
             self._ensure_root()
@@ -117,10 +121,11 @@ class RingDirectory:
             except StopIteration:
                 self._walks.popleft()
         out = []
-        while self._queue and len(out) < budget:
-            c = self._queue.popleft()
-            self._queued.discard(c.key)
-            out.append(c)
+        for q in (self._urgent, self._queue):
+            while q and len(out) < max_candidates:
+                c = q.popleft()
+                self._queued.discard(c.key)
+                out.append(c)
         return out
 
     def close(self) -> None:
@@ -161,7 +166,7 @@ class RingDirectory:
         for inst in list(self._instances.values()):
             self._drop_instance(inst.name)
 
-    def _offer(self, instance: str, name: str, inode: int | None) -> None:
+    def _offer(self, instance: str, name: str, inode: int | None, urgent: bool = False) -> None:
         if not name.endswith(rf.RING_SUFFIX) or name.startswith("."):
             return
         key = (instance, name)
@@ -171,7 +176,8 @@ class RingDirectory:
         if inst is None or key in self._queued:
             return
         self._queued.add(key)
-        self._queue.append(Candidate(instance, name, inst.fd, inode))
+        q = self._urgent if urgent or _RING_NAME.match(name) else self._queue
+        q.append(Candidate(instance, name, inst.fd, inode))
 
     def _open_instance(self, name: str) -> _Instance | None:
         if name.startswith(".") or self._root < 0:
@@ -252,7 +258,7 @@ class RingDirectory:
                 except OSError:
                     continue
                 if stat.S_ISREG(st.st_mode):
-                    self._offer(inst.name, ev.name, st.st_ino)
+                    self._offer(inst.name, ev.name, st.st_ino, urgent=True)
 
     def _walk_instance(self, name: str) -> Iterator[None]:
         """A new instance directory may already hold rings (made before its watch was added)."""

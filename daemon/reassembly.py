@@ -63,6 +63,7 @@ NOT_CAPTURED = "not captured"  # never written (e.g. cached prefix)
 NOT_CAPTURED_PREVIOUS = "not captured: consumed by a previous daemon"  # read by the daemon before a restart
 TIMEOUT = "timeout"  # still incomplete end_grace_s after the request's END
 WRITER_GONE = "writer gone"  # the ring's writer died
+RING_BROKEN = "ring broken"  # the ring file changed under the daemon (truncated, grown): no longer read
 END_LOST = "end lost"  # the engine stopped naming the request in its LIVE records and no END came
 MALFORMED = "malformed record"  # a record of the capture did not fit the ring schema
 OVER_BUDGET = "over budget"  # the daemon's in-flight memory budget (inflight_bytes) was exceeded
@@ -270,6 +271,7 @@ class _Request:
     sources: set[str] = field(default_factory=set)
     gone: set[str] = field(default_factory=set)
     dead_at: float | None = None
+    dead_reason: str = WRITER_GONE
     end: Any = None  # ring_schema.EndMeta, once the END was seen
     end_at: float | None = None
     stop: int | None = None  # expected stop, known at END
@@ -414,10 +416,10 @@ class Reassembler:
                 nothing = req.inherited and not req.delivered and not req.groups and not req.ready
                 self._finish(req, now, out, NOT_CAPTURED_PREVIOUS if nothing else TIMEOUT)
             elif req.dead_at is not None and now >= req.dead_at + self.gone_grace_s:
-                self._fail_groups(req, list(req.groups.values()), WRITER_GONE)
+                self._fail_groups(req, list(req.groups.values()), req.dead_reason)
                 self._pump(req, now, out)
                 if ENGINE_SOURCE in req.gone or req.sources <= req.gone:
-                    self._finish(req, now, out, WRITER_GONE)
+                    self._finish(req, now, out, req.dead_reason)
                 else:
                     req.dead_at = None  # the engine lives on and will END it
             elif req.end is None:
@@ -431,14 +433,16 @@ class Reassembler:
                     self._finish(req, now, out, END_LOST)
         return out
 
-    def writer_gone(self, source: str, now: float) -> list[Event]:
-        """The writer of ring `source` died or was replaced, and its ring was drained: what waits on
-        it is resolved after gone_grace_s (one more read of the other rings)."""
+    def writer_gone(self, source: str, now: float, reason: str = WRITER_GONE) -> list[Event]:
+        """The writer of ring `source` died or was replaced, and its ring was drained (or the ring
+        broke, `reason`): what waits on it is resolved after gone_grace_s (one more read of the
+        other rings)."""
         for req in self._requests.values():
             if source == ENGINE_SOURCE or source in req.sources:
                 req.gone.add(source)
                 if req.dead_at is None:
                     req.dead_at = now
+                    req.dead_reason = reason
         return []
 
     # -- record kinds --

@@ -48,7 +48,7 @@ from vllm_tap.daemon.config import DaemonConfig
 from vllm_tap.daemon.discovery import Candidate, RingDirectory
 from vllm_tap.daemon.messages import Frames, encode
 from vllm_tap.daemon.peers import Peers
-from vllm_tap.daemon.reassembly import OVER_BUDGET, Begin, Event, Reassembler
+from vllm_tap.daemon.reassembly import OVER_BUDGET, RING_BROKEN, Begin, Event, Reassembler
 from vllm_tap.daemon.store import Entry, LookupFailed, Store
 from vllm_tap.doorbell import Doorbell
 
@@ -77,7 +77,6 @@ LOG_FIRST = 20  # refused ring files logged one by one; then a count per minute
 # Delivery latency (ring read to send), seconds; fixed so scrapes can be compared over time.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0, 10.0)
-RING_BROKEN = "ring broken"
 
 
 class DaemonError(RuntimeError):
@@ -369,7 +368,7 @@ class Daemon:
     def _discover(self, now: float) -> None:
         if self._doorbell is None:
             self._doorbell = Doorbell.bind(self.config.shm_dir)
-        for c in self._dir.step(now, DISCOVERY_WALK)[:DISCOVERY_OPENS]:
+        for c in self._dir.step(now, DISCOVERY_WALK, DISCOVERY_OPENS):
             self._open(c, now)
         if self._dir.changed:
             changed, self._dir.changed = self._dir.changed, set()
@@ -518,7 +517,7 @@ class Daemon:
         self._broken.append({"path": ring.path, "instance": ring.instance, "why": why, "at": time.time()})
         del self._broken[:-100]
         self._close_ring(ring)
-        self._reassembler(ring.instance).writer_gone(ring.reader.name, now)
+        self._reassembler(ring.instance).writer_gone(ring.reader.name, now, RING_BROKEN)
         self._dir.reject(Candidate(ring.instance, ring.reader.name, ring.dir_fd, None), ring.reader.inode)
 
     def _close_ring(self, ring: _Ring) -> None:
@@ -539,14 +538,11 @@ class Daemon:
         reasm = self._reassembler(ring.instance)
         now = time.monotonic()  # the read time: delivery latency is measured from here
         rejections = ring.reader.rejections
-        while rejections:
-            rej = rejections.popleft()
-            if rej.request_ids:
-                self._dispatch(reasm.reject(rej.request_ids, rej.why, now), now)
-        if not recs:
-            return 0
+        n = len(recs) + len(rejections)
         c = self.counters
-        for rec in recs:
+        for i, rec in enumerate(recs):
+            while rejections and rejections[0].index <= i:  # in the order they were read
+                self._rejected(reasm, rejections.popleft(), now)
             c.records_in += 1
             if rec.data is not None:
                 c.payload_bytes_in += rec.data.nbytes
@@ -558,7 +554,13 @@ class Daemon:
                     log.exception("record of request %s from %s could not be reassembled", rec.request_id, ring.path)
                 continue
             self._dispatch(events, now)
-        return len(recs)
+        while rejections:
+            self._rejected(reasm, rejections.popleft(), now)
+        return n
+
+    def _rejected(self, reasm: Reassembler, rej: Any, now: float) -> None:
+        if rej.request_ids:
+            self._dispatch(reasm.reject(rej.request_ids, rej.why, now), now)
 
     def _read_rings(self) -> bool:
         got = 0

@@ -49,6 +49,7 @@ class DaemonProcess:
     endpoint: str
     log_path: str
     settings: dict = field(default_factory=dict)
+    rlimits: dict = field(default_factory=dict)  # resource name ("RLIMIT_NOFILE") -> soft limit
     proc: subprocess.Popen | None = None
 
     def argv(self) -> list[str]:
@@ -59,15 +60,17 @@ class DaemonProcess:
             argv += [flag_name(k), str(v)]
         return argv
 
-    def start(self, wait: bool = True, nofile: int | None = None) -> "DaemonProcess":
-        """nofile: start it with this soft descriptor limit (the hard one stays)."""
+    def start(self, wait: bool = True) -> "DaemonProcess":
         log = open(self.log_path, "ab")
         preexec = None
-        if nofile is not None:
+        if self.rlimits:
             import resource
 
-            def preexec() -> None:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+            limits = {getattr(resource, k): v for k, v in self.rlimits.items()}
+
+            def preexec() -> None:  # soft limits only: the hard ones stay, as under systemd
+                for which, soft in limits.items():
+                    resource.setrlimit(which, (soft, resource.getrlimit(which)[1]))
 
         self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=log, preexec_fn=preexec)
         log.close()
@@ -132,12 +135,12 @@ def daemon_factory(shm_dir, sock_dir):
     """Start daemons on this test's shm dir: daemon_factory(**DaemonConfig fields) -> DaemonProcess."""
     made: list[DaemonProcess] = []
 
-    def make(*, start: bool = True, endpoint: str | None = None, nofile: int | None = None, **settings) -> DaemonProcess:
+    def make(*, start: bool = True, endpoint: str | None = None, rlimits: dict | None = None, **settings) -> DaemonProcess:
         settings.setdefault("log_level", "INFO")
         d = DaemonProcess(shm_dir, endpoint or f"ipc://{sock_dir}/d{len(made)}.sock",
-                          os.path.join(sock_dir, f"daemon{len(made)}.log"), settings)
+                          os.path.join(sock_dir, f"daemon{len(made)}.log"), settings, dict(rlimits or {}))
         made.append(d)
-        return d.start(nofile=nofile) if start else d
+        return d.start() if start else d
 
     yield make
     for d in made:

@@ -547,16 +547,24 @@ class RingReader:
 
     # -- raw access --
 
+    def _short(self, got: int, n: int, offset: int) -> RingBroken:
+        try:
+            size = os.fstat(self._fd).st_size
+        except OSError:
+            size = -1
+        return RingBroken(f"{self.path}: size changed from {self.size} to {size} bytes "
+                          f"(read {got} of {n} bytes at {offset})")
+
     def _pread_into(self, buf: np.ndarray, offset: int) -> None:
         n = len(buf)
         got = os.preadv(self._fd, [memoryview(buf)], offset) if n else 0
         if got != n:
-            raise RingBroken(f"{self.path}: short read ({got} of {n} bytes at {offset}): the file shrank")
+            raise self._short(got, n, offset)
 
     def _u64(self, offset: int) -> int:
         b = os.pread(self._fd, 8, offset)
         if len(b) != 8:
-            raise RingBroken(f"{self.path}: short read at {offset}: the file shrank")
+            raise self._short(len(b), 8, offset)
         return int.from_bytes(b, "little")
 
     def write_cursor(self) -> int:
@@ -595,7 +603,7 @@ class RingReader:
     def info(self) -> RingInfo:
         head = os.pread(self._fd, rf.STATS_OFFSET + 8 * len(rf.STATS_FIELDS), 0)
         if len(head) < rf.STATS_OFFSET + 8 * len(rf.STATS_FIELDS):
-            raise RingBroken(f"{self.path}: short read of the header: the file shrank")
+            raise self._short(len(head), rf.STATS_OFFSET + 8 * len(rf.STATS_FIELDS), 0)
         stats = {name: int.from_bytes(head[rf.STATS_OFFSET + 8 * i : rf.STATS_OFFSET + 8 * i + 8], "little")
                  for i, name in enumerate(rf.STATS_FIELDS)}
         write = int.from_bytes(head[rf.WRITE_CURSOR_OFFSET : rf.WRITE_CURSOR_OFFSET + 8], "little")
@@ -634,8 +642,9 @@ class RingReader:
     def poll(self, max_records: int = 1 << 30, max_bytes: int = 1 << 62) -> list[RingRecord]:
         """Copy out committed records (up to the limits) and advance the persisted read cursor.
 
-        Records that do not fit the schema are skipped and kept in `rejections`. RingBroken when
-        the file changed under the reader (it must not be read any more)."""
+        Records that do not fit the schema are skipped and kept in `rejections` (each with its
+        place among the records returned). RingBroken when the file changed under the reader (it
+        must not be read any more)."""
         w = self.write_cursor()
         self._stamp()
         r = self._r
@@ -680,7 +689,7 @@ class RingReader:
                     out.extend(ring_schema.decode_record(buf[o : o + total], ring=self.name, epoch=self.epoch,
                                                          table_cache=self._table_cache))
                 except ring_schema.Rejected as e:
-                    self._reject(r, e)
+                    self._reject(r, e, len(out))
                 r += total
                 o += total
                 if len(out) >= max_records or r - start >= max_bytes:
@@ -688,9 +697,9 @@ class RingReader:
         self._store_read_cursor(r)
         return out
 
-    def _reject(self, r: int, e: "ring_schema.Rejected") -> None:
+    def _reject(self, r: int, e: "ring_schema.Rejected", index: int) -> None:
         self.rejected += 1
-        self.rejections.append(ring_schema.Rejection(self.name, self.epoch, r, e.why, e.request_ids, e.kind))
+        self.rejections.append(ring_schema.Rejection(self.name, self.epoch, r, e.why, e.request_ids, e.kind, index))
         self._say("ring %s: record at cursor %d rejected (%s)%s", self.path, r, e.why,
                   f"; ends request {', '.join(e.request_ids[:3])}" if e.request_ids else "")
 

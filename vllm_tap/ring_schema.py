@@ -165,6 +165,7 @@ class Rejection:
     why: str
     request_ids: tuple[str, ...]
     kind: int
+    index: int = 0  # how many records the same poll returned before it
 
 
 # -- header --
