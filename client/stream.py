@@ -14,6 +14,7 @@ import os
 from typing import Any, Sequence
 
 import numpy as np
+import zmq
 
 from vllm_tap import wire_format as wf
 from vllm_tap.positions import PositionRanges
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 ENDPOINT_ENV = "VLLM_TAP_ENDPOINT"
 HEARTBEAT_S = 1.0  # silence after which the subscription is resent (a cheap no-op for a live daemon)
+RECONNECT_IVL_MAX_MS = 2000  # back off between reconnects the daemon refused
 LOST = "lost: the daemon restarted mid-stream"
 _ids = itertools.count(1)
 
@@ -182,6 +184,18 @@ class StreamState:
         )
         self.done = True
         return out
+
+
+def refused_message(endpoint: str, status: int) -> str:
+    return (f"the daemon at {endpoint} refused the connection (status {status}): it already has as many connections "
+            "as its max_connections / max_connections_per_peer allow; close others or raise those settings")
+
+
+def refusal(event: dict[str, Any]) -> int | None:
+    """The ZAP status of a monitor event that says the daemon refused the connection, else None."""
+    if event.get("event") == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return int(event.get("value") or 0)
+    return None
 
 
 def _bytes(frame: Any) -> bytes | memoryview:

@@ -11,7 +11,10 @@ idle connections must never reach the descriptor limit. Rules this module keeps:
   error). Monitor events are drained before ZAP requests, so the connection being decided is
   already counted.
 - Below the descriptor limit a margin is kept: when accepted connections reach it, the listener is
-  closed (unbind) until they fall back, so accept() never meets EMFILE.
+  closed (unbind) until they fall back, so accept() never meets EMFILE. Closing the listener also
+  drops the connections still in their handshake without a monitor event, so while it is closed
+  the counted descriptors are checked again (nothing new is accepted meanwhile, so a descriptor
+  that is still a socket to the same peer is still that connection).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import logging
 import os
 import socket
 import struct
+import time
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -31,6 +35,7 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"vllm-tap"
 FD_MARGIN = 128  # descriptors kept free below the limit for rings, pidfds and libzmq's own
 RESUME_AT = 0.9  # accept again below this share of the descriptor budget
+RECHECK_S = 0.5  # while not accepting, how often the counted descriptors are checked again
 HANDSHAKE_IVL_MS = 5000  # a connection that does not complete its handshake in this long is closed
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 
@@ -72,6 +77,7 @@ class Peers:
         self.accepted = 0
         self.refused = 0
         self.paused = False
+        self._rechecked = 0.0
         self._log_refusals = 20
 
     def sockets(self) -> list[zmq.Socket]:
@@ -146,7 +152,12 @@ class Peers:
                           self.total, self.fd_budget + FD_MARGIN)
             except zmq.ZMQError as e:
                 log.error("cannot pause accepting connections: %s", e)
-        elif self.paused and self.total < RESUME_AT * self.fd_budget:
+        elif self.paused and time.monotonic() - self._rechecked >= RECHECK_S:
+            self._rechecked = time.monotonic()
+            for fd, peer in list(self._by_fd.items()):
+                if peer_of_fd(fd) != peer:
+                    self._event({"event": zmq.EVENT_DISCONNECTED, "value": fd})
+        if self.paused and self.total < RESUME_AT * self.fd_budget:
             try:
                 self._router.bind(self._endpoint)
                 self.paused = False

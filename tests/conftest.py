@@ -49,7 +49,7 @@ class DaemonProcess:
     endpoint: str
     log_path: str
     settings: dict = field(default_factory=dict)
-    rlimits: dict = field(default_factory=dict)  # resource name ("RLIMIT_NOFILE") -> soft limit
+    rlimits: dict = field(default_factory=dict)  # resource name ("RLIMIT_NOFILE") -> soft limit or (soft, hard)
     proc: subprocess.Popen | None = None
 
     def argv(self) -> list[str]:
@@ -68,9 +68,9 @@ class DaemonProcess:
 
             limits = {getattr(resource, k): v for k, v in self.rlimits.items()}
 
-            def preexec() -> None:  # soft limits only: the hard ones stay, as under systemd
-                for which, soft in limits.items():
-                    resource.setrlimit(which, (soft, resource.getrlimit(which)[1]))
+            def preexec() -> None:  # a soft limit alone keeps the hard one, as under systemd
+                for which, value in limits.items():
+                    resource.setrlimit(which, value if isinstance(value, tuple) else (value, resource.getrlimit(which)[1]))
 
         self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=log, preexec_fn=preexec)
         log.close()
