@@ -273,6 +273,11 @@ class SyntheticEngine:
             "spec": sc.spec().to_meta(), "source": sc.spec().source,
         })
 
+    def live(self, which: list[int] | None = None) -> None:
+        """A LIVE record: the requests still capturing (default: those not ended)."""
+        idx = which if which is not None else [r.i for r in self.reqs if not r.ended]
+        self.engine.write_control(rf.RecordKind.LIVE, "", {"requests": [self.sc.request_id(i) for i in idx]})
+
     def run(self, step_sleep: float = 0.0) -> None:
         self.begin()
         while self.run_step():
@@ -299,8 +304,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("shm_dir")
     ap.add_argument("scenario", help="Scenario fields as JSON")
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--stop-after", type=int, default=None,
+                    help="write this many steps, say so on stdout, then wait to be killed")
     args = ap.parse_args(argv)
     eng = SyntheticEngine(Scenario.from_json(args.scenario), args.shm_dir)
+    if args.stop_after is not None:
+        eng.begin()
+        for _ in range(args.stop_after):
+            eng.run_step()
+        print(json.dumps({"pid": os.getpid(), "steps": args.stop_after}), flush=True)
+        while True:
+            time.sleep(3600)
     eng.run(args.step_sleep)
     ok = eng.flush()
     eng.close()
