@@ -26,6 +26,7 @@ Record layout (constants in ring_format; all little-endian):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -330,6 +331,17 @@ def _salvage_ids(raw: memoryview) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+_PATH = re.compile(r"`\$\[(\d+)\]\[(\d+)\]")
+
+
+def _named(message: str) -> str:
+    """msgspec names table entries' fields by index ($[0][3]); say which field that is."""
+    def name(m: re.Match) -> str:
+        j = int(m.group(2))
+        return f"`entry {m.group(1)}, {rf.REQUEST_FIELDS[j] if j < len(rf.REQUEST_FIELDS) else f'field {j}'}"
+    return _PATH.sub(name, message)
+
+
 def _table(mv: memoryview, meta_off: int, h: Header, cache: TableCache | None) -> list[RequestEntry]:
     raw = mv[meta_off : meta_off + h.meta_len]
     if cache is not None and len(cache.blob) == h.meta_len and cache.blob == raw:
@@ -340,7 +352,7 @@ def _table(mv: memoryview, meta_off: int, h: Header, cache: TableCache | None) -
     try:
         entries = _TABLE.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise Rejected(f"request table: {e}", _salvage_ids(raw)) from None
+        raise Rejected(f"request table: {_named(str(e))}", _salvage_ids(raw)) from None
     if cache is not None:
         cache.blob = bytes(raw)
         cache.entries = entries
