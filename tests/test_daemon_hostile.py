@@ -264,3 +264,28 @@ def test_a_hundred_thousand_junk_ring_files_are_skipped_a_slice_at_a_time(daemon
     good(eng2, rank2, "late")
     _assert_good(d.client(), "late")
     assert d.status()["rings_refused"] == 100_000
+
+
+def test_captures_in_flight_are_kept_inside_inflight_bytes(daemon_factory, shm_dir):
+    d = daemon_factory(end_grace_s=1.0, inflight_bytes="1MiB")
+    eng = RingForge(shm_dir, "default", rf.ENGINE_RANK)
+    rank = RingForge(shm_dir, "default", 0, capacity=8 << 20)
+    wide = 4096  # 16 KiB a position: 100 positions are 1.6 MiB, more than the budget
+    eng.append(control(BEGIN, "big", begin_meta()))
+    for step in range(25):
+        pos = list(range(4 * step, 4 * step + 4))
+        rank.append(data([entry("big", num_prompt_tokens=2)], [0] * 4, pos, pos, np.ones((4, wide), np.float32),
+                         step=step))
+    _wait(lambda: d.status()["captures_cut"] == 1, what="the cut")
+    s = d.status()
+    assert s["inflight_bytes"] <= 1 << 20, s["inflight_bytes"]
+    good(eng, rank, "small")  # others are served as before
+    _assert_good(d.client(), "small")
+    eng.append(control(END, "big", end_meta(100)))
+    sub = d.client().subscribe("big", timeout=10)
+    items = list(sub.chunks())
+    assert not sub.end.complete and sub.end.reason == "length"
+    reasons = {it.reason.split(":")[0] for it in items if not hasattr(it, "logits")}
+    assert reasons == {"over budget"}, reasons
+    assert sum(len(it.positions) for it in items) == 100  # every position accounted for, once
+    assert "cut" in d.log() and "inflight_bytes" in d.log()

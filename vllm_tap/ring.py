@@ -479,12 +479,13 @@ def _ring_fd(path: str, dir_fd: int | None, name: str | None, writable: bool) ->
 
 
 def allocated_enough(st: os.stat_result, write_cursor: int, capacity: int) -> bool:
-    """Whether the file has storage behind everything a reader may be asked to read.
+    """Whether the file has storage behind what its cursor says was written.
 
-    A writer reserves the whole file when it creates it (posix_fallocate); a file with holes where
-    records are said to be was made by something else."""
-    need = min(st.st_size, rf.HEADER_SIZE + min(max(write_cursor, 0), capacity))
-    return st.st_blocks * 512 + _PAGE >= need
+    A writer reserves the whole file when it creates it (posix_fallocate); a file mostly made of
+    holes where records are said to be was made by something else. (Half, not all: a writer that
+    only truncated the file to size, as before reservations, leaves the tail of a PAD unwritten.)"""
+    written = rf.HEADER_SIZE + min(max(write_cursor, 0), capacity)
+    return st.st_blocks * 512 + _PAGE >= min(st.st_size, written) // 2
 
 
 class RingReader:
