@@ -61,16 +61,17 @@ class DaemonProcess:
         return argv
 
     def start(self, wait: bool = True) -> "DaemonProcess":
+        import ctypes
+        import resource
+
         log = open(self.log_path, "ab")
-        preexec = None
-        if self.rlimits:
-            import resource
+        limits = {getattr(resource, k): v for k, v in self.rlimits.items()}
+        libc = ctypes.CDLL(None, use_errno=True)
 
-            limits = {getattr(resource, k): v for k, v in self.rlimits.items()}
-
-            def preexec() -> None:  # a soft limit alone keeps the hard one, as under systemd
-                for which, value in limits.items():
-                    resource.setrlimit(which, value if isinstance(value, tuple) else (value, resource.getrlimit(which)[1]))
+        def preexec() -> None:
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no daemon outlives a killed test run
+            for which, value in limits.items():  # a soft limit alone keeps the hard one, as under systemd
+                resource.setrlimit(which, value if isinstance(value, tuple) else (value, resource.getrlimit(which)[1]))
 
         self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=log, preexec_fn=preexec)
         log.close()

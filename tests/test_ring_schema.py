@@ -244,3 +244,18 @@ def test_msgpack_of_the_writer_and_the_schema_agree():
     assert (r.request_id, r.tap_key, r.num_prompt_tokens, r.expected_ranks, r.rank_parts, r.start, r.tail, r.source) == (
         "req", "key", 7, 2, 3, 6, 0, "policy")
     assert msgpack.unpackb(pack([1])) == [1]
+
+
+@pytest.mark.parametrize("extra", [5, 63, 8])
+def test_a_write_cursor_no_writer_makes_is_skipped_not_looped_on(shm_dir, extra):
+    """Found by the fuzz test above: an unaligned cursor left less than a record header to read,
+    and the reader went round without moving (a hung daemon)."""
+    f = RingForge(shm_dir, "fuzz", 0, capacity=1 << 16)
+    f.append(control(rf.RecordKind.BEGIN, "ok", {}))
+    f.set_write_cursor(f.write_cursor + extra)
+    r = RingReader(f.path)
+    (ok,) = r.poll()  # what lies before the nonsense still reads
+    assert ok.request_id == "ok" and r.corrupt == (extra % rf.ALIGN != 0)
+    assert r.poll() == []
+    r.close()
+    f.close()

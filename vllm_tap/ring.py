@@ -628,7 +628,7 @@ class RingReader:
                 st = os.stat(self.name, dir_fd=dir_fd, follow_symlinks=False)
             else:
                 st = os.lstat(self.path)
-        except FileNotFoundError:
+        except OSError:  # gone, or its directory went with it
             return True
         return st.st_ino != self.inode or st.st_dev != self.dev or not stat.S_ISREG(st.st_mode)
 
@@ -652,13 +652,16 @@ class RingReader:
         if w == r:
             return []
         cap = self.capacity
-        if w < r or w - r > cap:
+        if w < r or w - r > cap or r % rf.ALIGN:
+            # Cursors a writer never makes: nothing between them can be trusted to be a record.
             self._lose(r, w, f"write cursor {w} against read cursor {r} and capacity {cap}")
             self._store_read_cursor(w)
             return []
         self.check()
         out: list[RingRecord] = []
         start = r
+        w_full = w
+        w -= (w - r) % rf.ALIGN  # a writer's cursor is always aligned: read up to where it could be
         chunk_max = max(min(max_bytes, cap), rf.ALIGN)
         while r < w and len(out) < max_records and r - start < max_bytes:
             at = r % cap
@@ -695,6 +698,9 @@ class RingReader:
                 o += total
                 if len(out) >= max_records or r - start >= max_bytes:
                     break
+        if r == w and w != w_full:
+            self._lose(r, w_full, f"write cursor {w_full} is not on a record boundary")
+            r = w_full
         self._store_read_cursor(r)
         return out
 
