@@ -10,8 +10,10 @@ idle connections must never reach the descriptor limit. Rules this module keeps:
   libzmq then closes it and the peer's monitor reports the refusal (the client turns it into an
   error). Monitor events are drained before ZAP requests, so the connection being decided is
   already counted.
-- Below the descriptor limit a margin is kept: when accepted connections reach it, the listener is
-  closed (unbind) until they fall back, so accept() never meets EMFILE. Closing the listener also
+- Half the descriptor limit is kept free: when accepted connections reach the other half, the
+  listener is closed (unbind) until they fall back, so accept() does not meet EMFILE. libzmq
+  accepts on its own thread while this loop decides, so the free half is the room for a burst
+  that arrives faster than the loop reacts (32,768 connections under the shipped units). Closing the listener also
   drops the connections still in their handshake without a monitor event, so while it is closed
   the counted descriptors are checked again (nothing new is accepted meanwhile, so a descriptor
   that is still a socket to the same peer is still that connection).
@@ -33,7 +35,7 @@ log = logging.getLogger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"vllm-tap"
-FD_MARGIN = 128  # descriptors kept free below the limit for rings, pidfds and libzmq's own
+FD_MARGIN = 128  # descriptors always kept for rings, pidfds and libzmq's own
 RESUME_AT = 0.9  # accept again below this share of the descriptor budget
 RECHECK_S = 0.5  # while not accepting, how often the counted descriptors are checked again
 HANDSHAKE_IVL_MS = 5000  # a connection that does not complete its handshake in this long is closed
@@ -64,7 +66,7 @@ class Peers:
         self._endpoint = endpoint
         self.max_connections = max_connections
         self.max_per_peer = max_per_peer
-        self.fd_budget = max(fd_limit - FD_MARGIN, 16)
+        self.fd_budget = max(fd_limit // 2 - FD_MARGIN, 16)
         self.zap = ctx.socket(zmq.REP)
         self.zap.setsockopt(zmq.LINGER, 0)
         self.zap.bind(ZAP_ENDPOINT)
@@ -149,7 +151,7 @@ class Peers:
                 self._router.unbind(self._endpoint)
                 self.paused = True
                 log.error("%d connections: not accepting more until some close (descriptor limit %d)",
-                          self.total, self.fd_budget + FD_MARGIN)
+                          self.total, 2 * (self.fd_budget + FD_MARGIN))
             except zmq.ZMQError as e:
                 log.error("cannot pause accepting connections: %s", e)
         elif self.paused and time.monotonic() - self._rechecked >= RECHECK_S:

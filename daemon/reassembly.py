@@ -69,7 +69,7 @@ MALFORMED = "malformed record"  # a record of the capture did not fit the ring s
 OVER_BUDGET = "over budget"  # the daemon's in-flight memory budget (inflight_bytes) was exceeded
 
 HOLD_NEWEST = 1  # positions held back until a later one is seen or the END comes (async scheduling)
-LIVE_SILENCE_S = 3.0  # absent from a LIVE record and no LIVE since for this long: as good as two absences
+LIVE_SILENCE_S = 3.0  # left out of the latest LIVE, then nothing about it for this long: as good as two absences
 GONE_GRACE_S = 0.25  # after a dead writer's ring is drained: one more read of the other rings
 
 
@@ -281,6 +281,8 @@ class _Request:
     records: int = 0  # records seen (activity, for the LIVE rule)
     live_absent: int = 0  # successive LIVE records without it, with no record of it since the first
     absent_mark: int = 0  # `records` at the first of those
+    listed: bool | None = None  # whether the latest LIVE record named it (None: no LIVE seen yet)
+    last_record_at: float = 0.0
     lost_at: float | None = None  # when the LIVE rule declared its END lost
     cut: str | None = None  # why its data is no longer kept (over budget)
 
@@ -423,9 +425,12 @@ class Reassembler:
                 else:
                     req.dead_at = None  # the engine lives on and will END it
             elif req.end is None:
-                if (req.lost_at is None and req.live_absent == 1 and self._last_live_at is not None
-                        and now >= self._last_live_at + self.live_silence_s):
-                    req.lost_at = self._last_live_at + self.live_silence_s  # no second LIVE will come
+                if req.lost_at is None and req.listed is False and self._last_live_at is not None:
+                    # The latest LIVE left it out, and since then neither a record of it nor a LIVE
+                    # naming it came: none will (the engine writes one LIVE after the last capture ends).
+                    quiet = max(self._last_live_at, req.last_record_at) + self.live_silence_s
+                    if now >= quiet:
+                        req.lost_at = quiet
                 if req.lost_at is not None and now >= req.lost_at + self.end_grace_s:
                     self.stats["ends_lost"] += 1
                     log.warning("request %s: no END, and the engine no longer lists it as capturing: ended",
@@ -462,8 +467,9 @@ class Reassembler:
         out.append(self._begin_event(req, now, update=False))
         return req
 
-    def _touch(self, req: _Request) -> None:
+    def _touch(self, req: _Request, now: float) -> None:
         req.records += 1
+        req.last_record_at = now
         if req.live_absent or req.lost_at is not None:
             req.live_absent = 0
             req.lost_at = None
@@ -525,7 +531,7 @@ class Reassembler:
         if req is None:
             self._new_request(r, now, out, lazy=False)
         elif req.begin is None:
-            self._touch(req)
+            self._touch(req, now)
             self._apply_begin(req, r)
             out.append(self._begin_event(req, now, update=True))
             self._pump(req, now, out)
@@ -545,7 +551,7 @@ class Reassembler:
         req = self._lazy(r, now, out)
         if req is None:
             return
-        self._touch(req)
+        self._touch(req, now)
         req.sources.add(r.ring)
         if req.num_prompt_tokens == 0:
             req.num_prompt_tokens = r.num_prompt_tokens
@@ -584,7 +590,7 @@ class Reassembler:
         req = self._lazy(r, now, out)
         if req is None:
             return
-        self._touch(req)
+        self._touch(req, now)
         req.sources.add(r.ring)
         positions = r.control.positions if r.control is not None else r.meta.get("positions", [])
         dropped = np.asarray(positions, np.int64)
@@ -607,7 +613,7 @@ class Reassembler:
             req = self._new_request(r, now, out, lazy=True)
         if req.end is not None:
             return
-        self._touch(req)
+        self._touch(req, now)
         m = r.control
         req.end = m
         req.end_at = now
@@ -645,8 +651,10 @@ class Reassembler:
             if req.end is not None or req.lost_at is not None:
                 continue
             if req.request_id in live:
+                req.listed = True
                 req.live_absent = 0
                 continue
+            req.listed = False
             if req.live_absent and req.records != req.absent_mark:
                 req.live_absent = 0  # it had a record since the first absence: start counting again
             if req.live_absent == 0:

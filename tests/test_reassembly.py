@@ -546,3 +546,14 @@ def test_bytes_held_are_counted_and_given_back():
     assert 0 < r.held_bytes < 2 * one
     feed(r, end(2))
     assert r.held_bytes == 0 and list(r.request_bytes()) == []
+
+
+def test_a_record_read_after_the_last_live_record_only_delays_the_end():
+    """The engine writes one LIVE after the last capture ends; data written before it can be read
+    after it (another ring). That must not keep the capture open for ever."""
+    r = Reassembler(end_grace_s=1.0, live_silence_s=3.0)
+    feed(r, begin(), data(0, [0, 1]), now=0.0)
+    feed(r, live(), now=1.0)
+    feed(r, data(1, [2]), now=1.1)
+    assert r.tick(4.0) == []
+    assert the_end(r.tick(5.1)).reason == END_LOST  # 1.1 + 3 s of quiet + 1 s grace
