@@ -23,8 +23,8 @@ Rules for what is expected and when a capture ends:
   Gap, in order, before any data. A tail capture (`tail` N > 0: the last N computed positions)
   holds the newest N positions until the END says where the request stopped.
 - Async scheduling can compute a request one step past its end. Positions at or past the END's
-  end_position are never delivered: the newest position of a capture is held back until a later
-  one is seen or the END comes (HOLD_NEWEST).
+  end_position are never delivered: the newest output position of a capture is held back until a
+  later one is seen or the END comes (HOLD_NEWEST). Prompt positions are never past the end.
 - Every capture ends: by its END (then after end_grace_s for straggling slices), by its writer's
   death (after gone_grace_s, once the dead ring is drained), by the engine's LIVE records no longer
   naming it (END lost), by a malformed record naming it, or by the daemon cutting it to stay inside
@@ -68,7 +68,7 @@ END_LOST = "end lost"  # the engine stopped naming the request in its LIVE recor
 MALFORMED = "malformed record"  # a record of the capture did not fit the ring schema
 OVER_BUDGET = "over budget"  # the daemon's in-flight memory budget (inflight_bytes) was exceeded
 
-HOLD_NEWEST = 1  # positions held back until a later one is seen or the END comes (async scheduling)
+HOLD_NEWEST = 1  # output positions held back until a later one is seen or the END comes (async scheduling)
 LIVE_SILENCE_S = 3.0  # left out of the latest LIVE, then nothing about it for this long: as good as two absences
 GONE_GRACE_S = 0.25  # after a dead writer's ring is drained: one more read of the other rings
 
@@ -778,7 +778,10 @@ class Reassembler:
         if req.stop is not None:
             return req.stop
         if self.hold_newest:
-            return req.max_seen + 1 - self.hold_newest
+            # Only a decode step can run past the end (the END's end_position is at least the
+            # prompt length once a token was generated, and covers a prefill chunk in flight when
+            # none was), so prompt positions never wait.
+            return max(req.max_seen + 1 - self.hold_newest, req.num_prompt_tokens)
         return None
 
     def _pump(self, req: _Request, now: float, out: list[Event], force_reason: str | None = None) -> None:

@@ -326,11 +326,11 @@ def test_rows_computed_past_the_end_before_the_end_is_read_are_never_delivered()
     """Async scheduling computes a finished request once more (position end_position); that row
     may be read before the END. Holding the newest position back keeps it out."""
     r = Reassembler()
-    feed(r, begin())
+    feed(r, begin())  # 4 prompt positions
     ev = feed(r, data(0, [0, 1, 2, 3]))
-    assert delivered(ev) == [0, 1, 2]  # 3 waits for a later position or the END
+    assert delivered(ev) == [0, 1, 2, 3]  # prompt positions are never past the end
     ev = feed(r, data(1, [4]))
-    assert delivered(ev) == [3]
+    assert delivered(ev) == []  # 4 waits for a later position or the END
     ev = feed(r, data(2, [5]))  # computed one step past the end: the END will say 5
     assert delivered(ev) == [4]
     ev = feed(r, end(5))
@@ -347,7 +347,7 @@ def test_rows_computed_past_the_end_after_the_end_are_dropped():
     r2 = Reassembler(end_grace_s=5.0)  # the END first, while a rank still owes position 4
     feed(r2, begin(), data(0, [0, 1, 2, 3]))
     ev = feed(r2, end(5), data(2, [5]), data(1, [4]))
-    assert delivered(ev) == [3, 4] and the_end(ev).missing_positions == []
+    assert delivered(ev) == [4] and the_end(ev).missing_positions == []
     assert r2.stats["past_end_records"] == 1
 
 
@@ -453,7 +453,7 @@ def test_source_travels_from_begin_and_from_the_request_table():
 
 def test_two_live_records_without_the_request_end_it_after_the_grace():
     r = Reassembler(end_grace_s=1.0)
-    feed(r, begin(), data(0, [0, 1, 2]), now=0.0)
+    feed(r, begin(n_prompt=1), data(0, [0, 1, 2]), now=0.0)
     feed(r, live(), now=1.0)
     feed(r, live(), now=2.0)
     assert r.tick(2.9) == []
@@ -504,7 +504,7 @@ def test_a_dead_writer_ends_its_captures_after_a_short_grace_not_the_end_grace()
 
 def test_a_malformed_record_ends_the_captures_it_names():
     r = Reassembler()
-    feed(r, begin(), data(0, [0, 1, 2]), now=0.0)
+    feed(r, begin(n_prompt=1), data(0, [0, 1, 2]), now=0.0)
     ev = r.reject([RID, "never-begun"], "request table: Expected `int`", 1.0)
     mine = [e for e in ev if e.request_id == RID]
     assert delivered(mine) == [2] and the_end(mine).reason == MALFORMED
@@ -538,13 +538,13 @@ def test_far_apart_positions_cost_ranges():
 
 def test_bytes_held_are_counted_and_given_back():
     r = Reassembler()
-    feed(r, begin())
+    feed(r, begin(n_prompt=1))
     feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, 4)))
     one = r.held_bytes
     assert one > 0 and dict(r.request_bytes())[RID] == one
     feed(r, data(0, [0, 1], rank=1, expected=2, s=(4, 8)))  # complete: 0 out, 1 held back as Tokens
     assert 0 < r.held_bytes < 2 * one
-    feed(r, end(2))
+    feed(r, end(2, n_prompt=1))
     assert r.held_bytes == 0 and list(r.request_bytes()) == []
 
 
@@ -557,3 +557,15 @@ def test_a_record_read_after_the_last_live_record_only_delays_the_end():
     feed(r, data(1, [2]), now=1.1)
     assert r.tick(4.0) == []
     assert the_end(r.tick(5.1)).reason == END_LOST  # 1.1 + 3 s of quiet + 1 s grace
+
+
+def test_prompt_positions_are_never_held_back():
+    """Only a decode step runs past the end: a prompt capture is delivered at prefill, not at the END."""
+    from vllm_tap.spec import PositionsMode
+
+    r = Reassembler()
+    feed(r, begin(n_prompt=6, spec=CaptureSpec(positions=PositionsMode.PROMPT)))
+    ev = feed(r, data(0, [0, 1, 2, 3], n_prompt=6), data(1, [4, 5], n_prompt=6))
+    assert delivered(ev) == [0, 1, 2, 3, 4, 5]
+    ev = feed(r, data(2, [6], n_prompt=6))  # the first decode step (workers of a prompt capture skip it)
+    assert delivered(ev) == []
