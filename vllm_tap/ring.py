@@ -465,6 +465,9 @@ _LIVENESS_EVERY_NS = 500_000_000  # how often the reader stamps its pid and time
 _LOG_FIRST = 20  # rejected or corrupt records logged one by one per ring; then a count per minute
 _LOG_EVERY_S = 60.0
 _KEEP_REJECTIONS = 4096
+_WINDOW = 256 << 10  # bytes read at once among records that are not large
+_PREFIX = 4096  # bytes read at once after a large record (header, table and rows of the next)
+_DIRECT = 64 << 10  # DATA records at least this large have their payload read straight into its arrays
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
 
 
@@ -662,47 +665,78 @@ class RingReader:
         start = r
         w_full = w
         w -= (w - r) % rf.ALIGN  # a writer's cursor is always aligned: read up to where it could be
-        chunk_max = max(min(max_bytes, cap), rf.ALIGN)
+        window = max(min(max_bytes, _WINDOW), rf.ALIGN)
+        win = self._scratch
+        win_lo = win_hi = r  # file bytes of cursors [win_lo, win_hi) are in `win`
+        after_large = False
         while r < w and len(out) < max_records and r - start < max_bytes:
             at = r % cap
-            span = min(w - r, cap - at, chunk_max)
-            buf = self._scratch_of(span)
-            self._pread_into(buf, rf.HEADER_SIZE + at)
-            o = 0
-            while o + rf.PAD_HEADER.size <= span:
-                magic, total = rf.PAD_HEADER.unpack_from(buf, o)
-                if total < rf.ALIGN or total % rf.ALIGN or total > cap - (r % cap) or total > w - r:
-                    self._lose(r, w, f"bad record length {total}")
-                    r = w
-                    break
-                if magic == b"PAD\x00":
-                    r += total
-                    o += total
-                    continue
-                if magic != rf.RECORD_MAGIC:
-                    self._lose(r, w, f"bad record magic {bytes(magic)!r}")
-                    r = w
-                    break
-                if o + total > span:
-                    if o:
-                        break  # read it from its start on the next round of the outer loop
-                    buf = self._scratch_of(total)  # one record larger than a chunk: read it whole
-                    self._pread_into(buf, rf.HEADER_SIZE + at)
-                    span = total
-                try:
-                    out.extend(ring_schema.decode_record(buf[o : o + total], ring=self.name, epoch=self.epoch,
-                                                         table_cache=self._table_cache))
-                except ring_schema.Rejected as e:
-                    self._reject(r, e, len(out))
+            if r + rf.RECORD_HEADER_SIZE > win_hi:  # a record header always fits before the end of the area
+                # After a large record the next is likely large too: read little, its payload goes
+                # straight into its arrays; among small records, read many at once.
+                n = min(w - r, cap - at, _PREFIX if after_large else window)
+                win = self._scratch_of(n)
+                self._pread_into(win, rf.HEADER_SIZE + at)
+                win_lo, win_hi = r, r + n
+            o = r - win_lo
+            magic, total = rf.PAD_HEADER.unpack_from(win, o)
+            if total < rf.ALIGN or total % rf.ALIGN or total > cap - at or total > w - r:
+                self._lose(r, w, f"bad record length {total}")
+                r = w
+                break
+            if magic == b"PAD\x00":
                 r += total
-                o += total
-                if len(out) >= max_records or r - start >= max_bytes:
-                    break
+                continue
+            if magic != rf.RECORD_MAGIC:
+                self._lose(r, w, f"bad record magic {bytes(magic)!r}")
+                r = w
+                break
+            try:
+                h = ring_schema.parse_header(win, o)
+                after_large = h.kind == rf.RecordKind.DATA and total >= _DIRECT
+                if after_large:
+                    out.extend(self._read_direct(at, h, win[o:win_hi - win_lo]))
+                elif r + total <= win_hi:
+                    out.extend(ring_schema.decode_record(win[o : o + total], ring=self.name, epoch=self.epoch,
+                                                         table_cache=self._table_cache))
+                else:  # larger than what is left of the window: read it whole
+                    win = self._scratch_of(total)
+                    self._pread_into(win, rf.HEADER_SIZE + at)
+                    win_lo, win_hi = r, r + total
+                    out.extend(ring_schema.decode_record(win, ring=self.name, epoch=self.epoch,
+                                                         table_cache=self._table_cache))
+            except ring_schema.Rejected as e:
+                self._reject(r, e, len(out))
+            r += total
         if r == w and w != w_full:
             self._lose(r, w_full, f"write cursor {w_full} is not on a record boundary")
             r = w_full
         self._store_read_cursor(r)
         return out
+
+    def _read_direct(self, at: int, h: "ring_schema.Header", have: np.ndarray) -> list[RingRecord]:
+        """A large DATA record: its header, table and row arrays from `have` (what was read of it)
+        or a read of their own, its payload straight into one array per request (one copy, not two)."""
+        prefix_len = ring_schema.data_layout(h)[4]
+        if len(have) >= prefix_len:
+            prefix = have[:prefix_len]
+        else:
+            prefix = np.empty(prefix_len, np.uint8)
+            self._pread_into(prefix, rf.HEADER_SIZE + at)
+        plan = ring_schema.plan_data(prefix, h, ring=self.name, epoch=self.epoch, table_cache=self._table_cache)
+        if plan is None:
+            return []
+        off = rf.HEADER_SIZE + at + plan.payload_offset
+        if plan.contiguous:
+            parts = [np.empty(shape, plan.dtype) for shape in plan.part_shapes()]
+            n = plan.payload_nbytes
+            got = os.preadv(self._fd, [memoryview(p).cast("B") for p in parts], off) if n else 0
+            if got != n:
+                raise self._short(got, n, off)
+            return plan.records(parts=parts)
+        payload = np.empty(plan.payload_nbytes, np.uint8)
+        self._pread_into(payload, off)
+        return plan.records(payload=payload.view(plan.dtype).reshape(h.n_rows, plan.width))
 
     def _reject(self, r: int, e: "ring_schema.Rejected", index: int) -> None:
         self.rejected += 1

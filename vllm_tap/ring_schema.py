@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -60,6 +60,7 @@ MAX_LAYER = 1 << 15
 MAX_SAMPLES = 1 << 16  # n of a request
 MAX_STEP = (1 << 63) - 1
 
+_DATA = rf.RecordKind.DATA
 _CONTROL_KINDS = (rf.RecordKind.BEGIN, rf.RecordKind.END, rf.RecordKind.DROP, rf.RecordKind.LIVE)
 _ITEMSIZE = {int(c): rf.storage_dtype(c).itemsize for c in rf.DType}
 _TENSOR_KINDS = {int(k) for k in rf.TensorKind}
@@ -172,8 +173,7 @@ class Rejection:
 # -- header --
 
 
-@dataclass(frozen=True)
-class Header:
+class Header(NamedTuple):
     total: int
     kind: int
     tensor: int
@@ -199,6 +199,17 @@ def parse_header(buf: memoryview | bytes | np.ndarray, at: int = 0) -> Header:
     rank = rf.ENGINE_RANK if rank16 == rf.ENGINE_RANK_U16 else rank16
     return Header(total, kind, tensor, dtype, layer, rank, n, n_requests, key_len, meta_len, step, s0, s1, full_dim,
                   payload_off)
+
+
+_TENSOR_IDS: dict[tuple[int, int], TensorId] = {}
+
+
+def _tensor_id(kind: int, layer: int) -> TensorId:
+    key = (kind, layer if kind == rf.TensorKind.HIDDEN else -1)
+    tid = _TENSOR_IDS.get(key)
+    if tid is None:
+        tid = _TENSOR_IDS[key] = TensorId(rf.TensorKind(kind), key[1])
+    return tid
 
 
 # -- records --
@@ -359,7 +370,62 @@ def _table(mv: memoryview, meta_off: int, h: Header, cache: TableCache | None) -
     return entries
 
 
-def _decode_data(mv: memoryview, h: Header, ring: str, epoch: int, cache: TableCache | None) -> list[RingRecord]:
+@dataclass
+class DataPlan:
+    """A DATA record whose header, request table and row arrays were checked: what is left is to
+    put its payload into arrays, from a buffer or straight from the file (`parts`)."""
+
+    h: Header
+    entries: list[RequestEntry]
+    positions: np.ndarray
+    token_ids: np.ndarray
+    groups: list[tuple[int, Any]]  # (table slot, rows: None = all, a slice, or an index array)
+    dtype: np.dtype
+    width: int
+    payload_offset: int
+    ring: str
+    epoch: int
+
+    @property
+    def payload_nbytes(self) -> int:
+        return self.h.n_rows * self.width * self.dtype.itemsize
+
+    @property
+    def contiguous(self) -> bool:
+        """Each request's rows lie together and in table order: the payload can be read straight
+        into one array per request."""
+        return all(rows is None or isinstance(rows, slice) for _, rows in self.groups)
+
+    def part_shapes(self) -> list[tuple[int, int]]:
+        n = self.h.n_rows
+        return [(n if rows is None else rows.stop - rows.start, self.width) for _, rows in self.groups]
+
+    def records(self, payload: np.ndarray | None = None, parts: list[np.ndarray] | None = None) -> list[RingRecord]:
+        """payload: all rows [n, width] (copied out per request); parts: one array per group, owned."""
+        h = self.h
+        tid = _tensor_id(h.tensor, h.layer)
+        out = []
+        for i, (slot, rows) in enumerate(self.groups):
+            e = self.entries[slot]
+            if rows is None:
+                take = lambda a: a.copy()  # noqa: E731
+            elif isinstance(rows, slice):
+                take = lambda a, rows=rows: a[rows].copy()  # noqa: E731
+            else:
+                take = lambda a, rows=rows: a[rows]  # noqa: E731 (fancy indexing copies)
+            out.append(RingRecord(
+                kind=_DATA, request_id=e.request_id, tap_key=e.tap_key, step=h.step, rank=h.rank,
+                expected_ranks=e.expected_ranks, rank_parts=e.rank_parts, tensor=tid, dtype=h.dtype,
+                slice_start=h.slice_start, slice_stop=h.slice_stop, full_dim=h.full_dim,
+                num_prompt_tokens=e.num_prompt_tokens, start=e.start, tail=e.tail, source=e.source,
+                positions=take(self.positions), token_ids=take(self.token_ids),
+                data=parts[i] if parts is not None else take(payload), ring=self.ring, epoch=self.epoch,
+            ))
+        return out
+
+
+def data_layout(h: Header) -> tuple[int, int, int, int, int]:
+    """Check a DATA header against itself and its record length; the body offsets (ring_format.body_layout)."""
     n = h.n_rows
     if h.tensor not in _TENSOR_KINDS:
         raise Rejected(f"unknown tensor kind {h.tensor}")
@@ -378,27 +444,42 @@ def _decode_data(mv: memoryview, h: Header, ring: str, epoch: int, cache: TableC
     # Sizes from the header, checked against the record before any array is made from them.
     if n > h.total // 12:
         raise Rejected(f"{n} rows cannot fit a record of {h.total} bytes")
-    meta_off, slots_off, pos_off, ids_off, payload_off = rf.body_layout(0, h.meta_len, n)
+    layout = rf.body_layout(0, h.meta_len, n)
+    payload_off = layout[4]
     width = h.slice_stop - h.slice_start
     itemsize = _ITEMSIZE[h.dtype]
     if h.payload_offset != payload_off or payload_off + n * width * itemsize > h.total:
         raise Rejected(f"payload at {h.payload_offset} (expected {payload_off}) of {n}x{width}x{itemsize} bytes "
                        f"overruns the record ({h.total})")
-    entries = _table(mv, meta_off, h, cache)
+    return layout
+
+
+def plan_data(prefix: memoryview | bytes | np.ndarray, h: Header, *, ring: str = "", epoch: int = 0,
+              table_cache: TableCache | None = None) -> DataPlan | None:
+    """Check what precedes the payload of a DATA record (`prefix`: at least its first payload_offset
+    bytes); None for a record without rows. Raises Rejected."""
+    mv = memoryview(prefix).cast("B") if not isinstance(prefix, np.ndarray) else memoryview(prefix)
+    meta_off, slots_off, pos_off, ids_off, payload_off = data_layout(h)
+    if len(mv) < ids_off + 4 * h.n_rows:
+        raise Rejected("record shorter than its header says")
+    n = h.n_rows
+    entries = _table(mv, meta_off, h, table_cache)
     if n == 0:
-        return []
+        return None
     base = np.frombuffer(mv, np.uint8)
     slots = base[slots_off:pos_off].view("<i4")
     positions = base[pos_off:ids_off].view("<i4")
     token_ids = base[ids_off : ids_off + 4 * n].view("<i4")
-    ids = tuple(dict.fromkeys(e.request_id for e in entries))
-    if int(slots.min()) < 0 or int(slots.max()) >= h.n_requests:
-        raise Rejected("a row names a request outside the table", ids)
-    if int(positions.min()) < 0:
-        raise Rejected("a negative position", ids)
-    dt = rf.storage_dtype(h.dtype)
-    data = base[payload_off : payload_off + n * width * itemsize].view(dt).reshape(n, width)
-    tid = TensorId(rf.TensorKind(h.tensor), h.layer if h.tensor == rf.TensorKind.HIDDEN else -1)
+    if n == 1:  # one row (a decode step of one request): scalar checks, no reductions
+        bad_slot = not 0 <= int(slots[0]) < h.n_requests
+        bad_position = int(positions[0]) < 0
+    else:
+        bad_slot = bool(slots.any()) if h.n_requests == 1 else (int(slots.min()) < 0 or int(slots.max()) >= h.n_requests)
+        bad_position = int(positions.min()) < 0
+    if bad_slot:
+        raise Rejected("a row names a request outside the table", tuple(dict.fromkeys(e.request_id for e in entries)))
+    if bad_position:
+        raise Rejected("a negative position", tuple(dict.fromkeys(e.request_id for e in entries)))
     if h.n_requests == 1:
         groups: list[tuple[int, Any]] = [(0, None)]
     else:
@@ -410,23 +491,18 @@ def _decode_data(mv: memoryview, h: Header, ring: str, epoch: int, cache: TableC
         bounds = (np.flatnonzero(np.diff(sorted_slots)) + 1).tolist()
         groups = [(int(sorted_slots[a]), slice(a, b) if order is None else order[a:b])
                   for a, b in zip([0, *bounds], [*bounds, n])]
-    out = []
-    for slot, rows in groups:
-        e = entries[slot]
-        if rows is None:
-            take = lambda a: a.copy()  # noqa: E731
-        elif isinstance(rows, slice):
-            take = lambda a, rows=rows: a[rows].copy()  # noqa: E731
-        else:
-            take = lambda a, rows=rows: a[rows]  # noqa: E731 (fancy indexing copies)
-        out.append(RingRecord(
-            kind=rf.RecordKind.DATA, request_id=e.request_id, tap_key=e.tap_key, step=h.step, rank=h.rank,
-            expected_ranks=e.expected_ranks, rank_parts=e.rank_parts, tensor=tid, dtype=h.dtype,
-            slice_start=h.slice_start, slice_stop=h.slice_stop, full_dim=h.full_dim,
-            num_prompt_tokens=e.num_prompt_tokens, start=e.start, tail=e.tail, source=e.source,
-            positions=take(positions), token_ids=take(token_ids), data=take(data), ring=ring, epoch=epoch,
-        ))
-    return out
+    return DataPlan(h, entries, positions, token_ids, groups, rf.storage_dtype(h.dtype),
+                    h.slice_stop - h.slice_start, payload_off, ring, epoch)
+
+
+def _decode_data(mv: memoryview, h: Header, ring: str, epoch: int, cache: TableCache | None) -> list[RingRecord]:
+    plan = plan_data(mv, h, ring=ring, epoch=epoch, table_cache=cache)
+    if plan is None:
+        return []
+    base = np.frombuffer(mv, np.uint8)
+    off = plan.payload_offset
+    payload = base[off : off + plan.payload_nbytes].view(plan.dtype).reshape(h.n_rows, plan.width)
+    return plan.records(payload=payload)
 
 
 # -- building records in memory (tests, tools): the same decoder, so the same checks --
