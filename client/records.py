@@ -11,6 +11,12 @@ import numpy as np
 from vllm_tap import ring_format as rf
 from vllm_tap.positions import PositionRanges
 
+LIST_MISSING_UP_TO = 1 << 20  # saved captures list missing positions one by one only up to this many
+
+
+def _ranges(missing) -> list[tuple[int, int]]:
+    return (missing if isinstance(missing, PositionRanges) else PositionRanges.of(missing)).ranges
+
 
 def widen(code: int, arr: np.ndarray) -> np.ndarray:
     """Storage dtype to a numpy dtype: bfloat16 (carried as uint16) becomes float32, exactly."""
@@ -205,15 +211,17 @@ class Capture:
             "choice_index": self.choice_index, "num_prompt_tokens": self.num_prompt_tokens,
             "prompt_token_ids": self.prompt_token_ids, "finish_reason": self.finish_reason,
             "num_output_tokens": self.num_output_tokens, "output_token_ids": self.output_token_ids,
-            "missing_positions": list(self.missing_positions),
-            "missing_ranges": [list(r) for r in PositionRanges(self.missing_positions).ranges],
+            # The positions themselves only while they are few; the ranges always.
+            "missing_positions": list(self.missing_positions) if len(self.missing_positions) <= LIST_MISSING_UP_TO else None,
+            "missing_ranges": [list(r) for r in _ranges(self.missing_positions)],
             "expected": list(self.expected) if self.expected else None, "source": self.source,
             "end_position": self.end_position,
         }
 
     def save(self, path: str) -> None:
-        """.npz or .safetensors. npz: the arrays() names with '.' as '_' (hidden_3), missing_positions,
-        and the metadata as JSON in 'meta'; safetensors: the arrays() names, metadata in the header."""
+        """.npz or .safetensors. npz: the arrays() names with '.' as '_' (hidden_3), missing_ranges
+        ([k, 2] start/stop), missing_positions (up to LIST_MISSING_UP_TO of them), and the metadata
+        as JSON in 'meta'; safetensors: the arrays() names, metadata in the header."""
         arrays = {k: np.ascontiguousarray(v) for k, v in self.arrays().items()}
         meta = json.dumps(self.meta())
         if path.endswith(".safetensors"):
@@ -221,7 +229,10 @@ class Capture:
 
             save_file(arrays, path, metadata={"vllm_tap": meta})
         else:
-            np.savez(path, meta=np.array(meta), missing_positions=np.asarray(self.missing_positions, np.int64),
+            extra = {"missing_ranges": np.asarray(_ranges(self.missing_positions), np.int64).reshape(-1, 2)}
+            if len(self.missing_positions) <= LIST_MISSING_UP_TO:
+                extra["missing_positions"] = np.asarray(self.missing_positions, np.int64)
+            np.savez(path, meta=np.array(meta), **extra,
                      **{k.replace(".", "_"): v for k, v in arrays.items()})
 
 
