@@ -24,7 +24,8 @@ Rules for what is expected and when a capture ends:
   holds the newest N positions until the END says where the request stopped.
 - Async scheduling can compute a request one step past its end. Positions at or past the END's
   end_position are never delivered: the newest output position of a capture is held back until a
-  later one is seen or the END comes (HOLD_NEWEST). Prompt positions are never past the end.
+  later one is seen or the END comes (HOLD_NEWEST). Prompt positions are never past the end, and
+  nothing is held when the BEGIN says the engine does not schedule asynchronously.
 - Every capture ends: by its END (then after end_grace_s for straggling slices), by its writer's
   death (after gone_grace_s, once the dead ring is drained), by the engine's LIVE records no longer
   naming it (END lost), by a malformed record naming it, or by the daemon cutting it to stay inside
@@ -285,6 +286,7 @@ class _Request:
     last_record_at: float = 0.0
     lost_at: float | None = None  # when the LIVE rule declared its END lost
     cut: str | None = None  # why its data is no longer kept (over budget)
+    hold: int = HOLD_NEWEST  # output positions held back (0 when the BEGIN says the engine is not async)
 
     def resolved(self, positions: np.ndarray) -> bool:
         """Every position already delivered or waiting in `ready` (a duplicate or recompute)."""
@@ -455,7 +457,7 @@ class Reassembler:
     def _new_request(self, r: RingRecord, now: float, out: list[Event], lazy: bool) -> _Request:
         self._finished.pop(r.request_id, None)
         req = _Request(r.request_id, r.tap_key, r.num_prompt_tokens, lazy, source=r.source or "client",
-                       inherited=lazy and r.ring in self._resumed)
+                       inherited=lazy and r.ring in self._resumed, hold=self.hold_newest)
         self._requests[r.request_id] = req
         self.stats["requests_started"] += 1
         if not lazy:
@@ -513,6 +515,8 @@ class Reassembler:
         req.begin = info
         if info is not None and info.num_prompt_tokens:
             req.num_prompt_tokens = info.num_prompt_tokens
+        if info is not None and info.async_scheduling is False:
+            req.hold = 0  # no step runs past the end: nothing to hold back
         if r.spec is not None:
             self._apply_spec(req, r.spec, r.source)
 
@@ -741,7 +745,7 @@ class Reassembler:
             # Only the newest positions can turn out to be the last ones: keep the tail's worth,
             # plus the held-back newest (a position computed past the end).
             latest = max(c.stop for _, _, _, c in req.ready)
-            keep = req.tail + self.hold_newest
+            keep = req.tail + req.hold
             kept = []
             for item in req.ready:
                 if item[3].stop > latest - keep:
@@ -777,11 +781,11 @@ class Reassembler:
         """Positions below this may be delivered now (None: no limit)."""
         if req.stop is not None:
             return req.stop
-        if self.hold_newest:
+        if req.hold:
             # Only a decode step can run past the end (the END's end_position is at least the
             # prompt length once a token was generated, and covers a prefill chunk in flight when
             # none was), so prompt positions never wait.
-            return max(req.max_seen + 1 - self.hold_newest, req.num_prompt_tokens)
+            return max(req.max_seen + 1 - req.hold, req.num_prompt_tokens)
         return None
 
     def _pump(self, req: _Request, now: float, out: list[Event], force_reason: str | None = None) -> None:

@@ -569,3 +569,13 @@ def test_prompt_positions_are_never_held_back():
     assert delivered(ev) == [0, 1, 2, 3, 4, 5]
     ev = feed(r, data(2, [6], n_prompt=6))  # the first decode step (workers of a prompt capture skip it)
     assert delivered(ev) == []
+
+
+def test_nothing_is_held_back_when_the_engine_does_not_schedule_asynchronously():
+    r = Reassembler()
+    b = control_record(rf.RecordKind.BEGIN, RID, {"spec": CaptureSpec().to_meta(), "num_prompt_tokens": 2,
+                                                   "async_scheduling": False})
+    ev = feed(r, b, data(0, [0, 1]), data(1, [2]))
+    assert delivered(ev) == [0, 1, 2]
+    ev = feed(r, data(2, [3]))
+    assert delivered(ev) == [3]

@@ -84,6 +84,9 @@ class BeginMeta(msgspec.Struct, forbid_unknown_fields=False):
     prompt_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKEN_LIST)] | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=MAX_SAMPLES)] = 1
     model: Annotated[str, msgspec.Meta(max_length=MAX_MODEL_CHARS)] = ""
+    # Whether the engine schedules asynchronously (a finished request may be computed once more).
+    # None: not said (the reader then assumes it may).
+    async_scheduling: bool | None = None
 
 
 class EndMeta(msgspec.Struct, forbid_unknown_fields=False):
