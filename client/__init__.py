@@ -19,7 +19,7 @@ from typing import Any
 from vllm_tap.client.aio import AsyncClient, AsyncSubscription
 from vllm_tap.client.errors import (
     AmbiguousCapture, CaptureEvicted, CaptureLost, CaptureNotFound, DaemonStopped, DaemonUnavailable,
-    ProtocolError, TapError, TooSlow,
+    ProtocolError, Refused, TapError, TooSlow,
 )
 from vllm_tap.client.records import Capture, CaptureBegin, CaptureEnd, Chunk, Gap, TokenRecord
 from vllm_tap.client.stream import ENDPOINT_ENV, resolve_endpoint
@@ -41,6 +41,6 @@ def status(timeout: float = 5.0) -> dict[str, Any]:
 __all__ = [
     "AmbiguousCapture", "AsyncClient", "AsyncSubscription", "Capture", "CaptureBegin", "CaptureEnd", "CaptureEvicted",
     "CaptureLost", "CaptureNotFound", "Chunk", "Client", "DaemonStopped", "DaemonUnavailable", "ENDPOINT_ENV", "Gap",
-    "ProtocolError", "Subscription", "TapError", "TokenRecord", "TooSlow", "fetch", "resolve_endpoint", "status",
+    "ProtocolError", "Refused", "Subscription", "TapError", "TokenRecord", "TooSlow", "fetch", "resolve_endpoint", "status",
     "subscribe",
 ]

@@ -10,9 +10,13 @@ import zmq.asyncio
 
 from vllm_tap import wire_format as wf
 
-from vllm_tap.client.errors import DaemonUnavailable
+from zmq.utils.monitor import parse_monitor_message
+
+from vllm_tap.client.errors import DaemonUnavailable, Refused
 from vllm_tap.client.records import Capture, CaptureBuilder, Chunk, Gap, Item
-from vllm_tap.client.stream import HEARTBEAT_S, StreamState, SubscriptionView, resolve_endpoint
+from vllm_tap.client.stream import (
+    HEARTBEAT_S, RECONNECT_IVL_MAX_MS, StreamState, SubscriptionView, refusal, refused_message, resolve_endpoint,
+)
 from vllm_tap.client.sync import RCVHWM, parse_status
 
 
@@ -33,9 +37,8 @@ class AsyncSubscription(SubscriptionView):
         if st.done:
             return
         loop = asyncio.get_running_loop()
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        sock = _dealer(self._ctx)
+        mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         sock.connect(st.endpoint)
         try:
             await _send(sock, st.start(loop.time()))
@@ -45,6 +48,7 @@ class AsyncSubscription(SubscriptionView):
                     for item in st.on_frames(frames, loop.time()):
                         yield item
                 else:
+                    await _check_refused(mon, st.endpoint)
                     await _send(sock, st.on_silence(loop.time()))
         finally:
             if not st.done:
@@ -52,7 +56,31 @@ class AsyncSubscription(SubscriptionView):
                     sock.send_multipart(st.cancel(), flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
-            sock.close(linger=0)
+            _close(sock, mon)
+
+
+def _dealer(ctx: zmq.asyncio.Context) -> zmq.asyncio.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, RCVHWM)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+    return sock
+
+
+async def _check_refused(mon: zmq.asyncio.Socket, endpoint: str) -> None:
+    while await mon.poll(0):
+        status = refusal(parse_monitor_message(await mon.recv_multipart()))
+        if status is not None:
+            raise Refused(refused_message(endpoint, status))
+
+
+def _close(sock: zmq.asyncio.Socket, mon: zmq.asyncio.Socket) -> None:
+    try:
+        sock.disable_monitor()
+    except zmq.ZMQError:
+        pass
+    mon.close(linger=0)
+    sock.close(linger=0)
 
 
 async def _send(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
@@ -83,13 +111,14 @@ class AsyncClient:
         return builder.build(sub.begin, sub.end)
 
     async def status(self, timeout: float = 5.0) -> dict[str, Any]:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = _dealer(self._ctx)
+        mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         try:
             sock.connect(self.endpoint)
             await sock.send_multipart(wf.StatusRequest(0).frames())
             if not await sock.poll(int(timeout * 1000), zmq.POLLIN):
+                await _check_refused(mon, self.endpoint)
                 raise DaemonUnavailable(f"no daemon answered at {self.endpoint} within {timeout:g} s")
             return parse_status(await sock.recv_multipart())
         finally:
-            sock.close(linger=0)
+            _close(sock, mon)

@@ -37,6 +37,10 @@ class CaptureLost(TapError):
     """The daemon restarted mid-stream and no longer knows the capture."""
 
 
+class Refused(TapError):
+    """The daemon refused this subscription or connection (too many: the daemon's max_* settings)."""
+
+
 class ProtocolError(TapError):
     """The daemon sent something this client cannot read (another wire version?)."""
 
@@ -49,6 +53,7 @@ _BY_CODE: dict[str, type[TapError]] = {
     wf.E_STOPPING: DaemonStopped,
     wf.E_VERSION: ProtocolError,
     wf.E_BAD_REQUEST: ProtocolError,
+    wf.E_LIMIT: Refused,
 }
 
 

@@ -9,6 +9,13 @@ from typing import Any, ClassVar, Iterator, Union
 import numpy as np
 
 from vllm_tap import ring_format as rf
+from vllm_tap.positions import PositionRanges
+
+LIST_MISSING_UP_TO = 1 << 20  # saved captures list missing positions one by one only up to this many
+
+
+def _ranges(missing) -> list[tuple[int, int]]:
+    return (missing if isinstance(missing, PositionRanges) else PositionRanges.of(missing)).ranges
 
 
 def widen(code: int, arr: np.ndarray) -> np.ndarray:
@@ -127,6 +134,7 @@ class CaptureBegin:
     spec: dict[str, Any] | None
     start_position: int | None
     lazy: bool  # the daemon never saw this capture's start (it restarted): metadata may be partial
+    source: str = "client"  # "client": the request opted in; "policy": the server's capture policy chose it
 
 
 @dataclass(frozen=True)
@@ -137,15 +145,19 @@ class CaptureEnd:
     num_prompt_tokens: int
     num_output_tokens: int
     output_token_ids: list[int]
-    end_position: int | None
+    end_position: int | None  # None: the daemon never saw the END (writer gone, END lost, malformed record)
     expected: tuple[int, int] | None  # [start, stop) of positions that should have been captured
-    missing_positions: list[int]  # expected positions that did not arrive (daemon- and client-detected)
+    # Expected positions that did not arrive (daemon- and client-detected): a sorted sequence of ints
+    # kept as ranges (`.ranges`), so a huge gap costs nothing.
+    missing_positions: PositionRanges
     response_id: str
     choice_index: int
+    source: str = "client"
 
     @property
     def complete(self) -> bool:
-        return not self.missing_positions
+        """The request's END was seen and every expected position arrived."""
+        return self.end_position is not None and not self.missing_positions
 
 
 @dataclass
@@ -168,8 +180,10 @@ class Capture:
     finish_reason: str
     num_output_tokens: int
     output_token_ids: list[int]
-    missing_positions: list[int]
+    missing_positions: PositionRanges  # a sorted sequence of ints kept as ranges (`.ranges`)
     expected: tuple[int, int] | None = None
+    source: str = "client"
+    end_position: int | None = None
 
     @property
     def phases(self) -> np.ndarray:
@@ -177,7 +191,8 @@ class Capture:
 
     @property
     def complete(self) -> bool:
-        return not self.missing_positions
+        """The request's END was seen and every expected position arrived."""
+        return self.end_position is not None and not self.missing_positions
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every array by a flat name (as saved): positions, token_ids, logits, hidden.L, ..."""
@@ -196,13 +211,17 @@ class Capture:
             "choice_index": self.choice_index, "num_prompt_tokens": self.num_prompt_tokens,
             "prompt_token_ids": self.prompt_token_ids, "finish_reason": self.finish_reason,
             "num_output_tokens": self.num_output_tokens, "output_token_ids": self.output_token_ids,
-            "missing_positions": self.missing_positions,
-            "expected": list(self.expected) if self.expected else None,
+            # The positions themselves only while they are few; the ranges always.
+            "missing_positions": list(self.missing_positions) if len(self.missing_positions) <= LIST_MISSING_UP_TO else None,
+            "missing_ranges": [list(r) for r in _ranges(self.missing_positions)],
+            "expected": list(self.expected) if self.expected else None, "source": self.source,
+            "end_position": self.end_position,
         }
 
     def save(self, path: str) -> None:
-        """.npz or .safetensors. npz: the arrays() names with '.' as '_' (hidden_3), missing_positions,
-        and the metadata as JSON in 'meta'; safetensors: the arrays() names, metadata in the header."""
+        """.npz or .safetensors. npz: the arrays() names with '.' as '_' (hidden_3), missing_ranges
+        ([k, 2] start/stop), missing_positions (up to LIST_MISSING_UP_TO of them), and the metadata
+        as JSON in 'meta'; safetensors: the arrays() names, metadata in the header."""
         arrays = {k: np.ascontiguousarray(v) for k, v in self.arrays().items()}
         meta = json.dumps(self.meta())
         if path.endswith(".safetensors"):
@@ -210,7 +229,10 @@ class Capture:
 
             save_file(arrays, path, metadata={"vllm_tap": meta})
         else:
-            np.savez(path, meta=np.array(meta), missing_positions=np.asarray(self.missing_positions, np.int64),
+            extra = {"missing_ranges": np.asarray(_ranges(self.missing_positions), np.int64).reshape(-1, 2)}
+            if len(self.missing_positions) <= LIST_MISSING_UP_TO:
+                extra["missing_positions"] = np.asarray(self.missing_positions, np.int64)
+            np.savez(path, meta=np.array(meta), **extra,
                      **{k.replace(".", "_"): v for k, v in arrays.items()})
 
 
@@ -249,5 +271,7 @@ class CaptureBuilder:
             begin.prompt_token_ids if begin else None, positions, token_ids,
             stack(lambda c: c.logits), hidden,  # type: ignore[arg-type]
             stack(lambda c: c.topk_ids), stack(lambda c: c.topk_values), stack(lambda c: c.chosen),
-            end.reason, end.num_output_tokens, list(end.output_token_ids), list(end.missing_positions), end.expected,
+            end.reason, end.num_output_tokens, list(end.output_token_ids), PositionRanges(end.missing_positions.ranges)
+            if isinstance(end.missing_positions, PositionRanges) else PositionRanges.of(end.missing_positions),
+            end.expected, end.source, end.end_position,
         )

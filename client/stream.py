@@ -14,8 +14,10 @@ import os
 from typing import Any, Sequence
 
 import numpy as np
+import zmq
 
 from vllm_tap import wire_format as wf
+from vllm_tap.positions import PositionRanges
 from vllm_tap.daemon.config import default_endpoint
 
 from vllm_tap.client.errors import CaptureLost, CaptureNotFound, DaemonUnavailable, ProtocolError, error_for
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 
 ENDPOINT_ENV = "VLLM_TAP_ENDPOINT"
 HEARTBEAT_S = 1.0  # silence after which the subscription is resent (a cheap no-op for a live daemon)
+RECONNECT_IVL_MAX_MS = 2000  # back off between reconnects the daemon refused
 LOST = "lost: the daemon restarted mid-stream"
 _ids = itertools.count(1)
 
@@ -46,7 +49,7 @@ class StreamState:
         self.begin: CaptureBegin | None = None
         self.end: CaptureEnd | None = None
         self.next_position: int | None = None
-        self.lost: list[int] = []  # positions the client noticed never arrived
+        self.lost = PositionRanges()  # positions the client noticed never arrived
         self.done = False
         self._t0 = 0.0
         self._heard = 0.0
@@ -74,12 +77,15 @@ class StreamState:
                     f"{self.endpoint}: is `vllm-tap daemon` running?)"
                 )
             return self._subscribe(self.timeout - (now - self._t0))
-        if now - self._heard > max(self.timeout, 3 * self.heartbeat_s):
+        silent = now - self._heard
+        if silent > max(self.timeout, 3 * self.heartbeat_s):
             raise DaemonUnavailable(
-                f"lost contact with the daemon at {self.endpoint} for {now - self._heard:.1f} s while streaming "
+                f"lost contact with the daemon at {self.endpoint} for {silent:.1f} s while streaming "
                 f"{what} (next position {self.next_position})"
             )
-        return self._subscribe(self.timeout)
+        # The daemon's wait for the name counts from the first silence, not from each resend: a
+        # restarted daemon that never sees this capture again says so once that time is up.
+        return self._subscribe(max(self.timeout, 3 * self.heartbeat_s) - silent)
 
     def _what(self) -> str:
         return repr(self.name) + (f" index {self.index}" if self.index is not None else "") + (
@@ -109,6 +115,7 @@ class StreamState:
                     h["request_id"], h["instance"], h.get("tap_key", ""), tuple(h.get("names", ())), h.get("response_id", ""),
                     int(h.get("choice_index", 0)), int(h.get("num_prompt_tokens", 0)), h.get("prompt_token_ids"),
                     int(h.get("n", 1)), h.get("model", ""), h.get("spec"), h.get("start_position"), bool(h.get("lazy")),
+                    str(h.get("source") or "client"),
                 )
                 if self.next_position is None:
                     self.next_position = self.begin.start_position
@@ -127,7 +134,7 @@ class StreamState:
         if nxt is None or start <= nxt:
             return (start if nxt is None else max(start, nxt)), []
         lost = range(nxt, start)
-        self.lost.extend(lost)
+        self.lost = self.lost.union([lost])
         log.warning("capture %s: positions %d..%d lost (daemon restarted mid-stream)", rid, nxt, start - 1)
         return start, [Gap(lost, LOST, rid)]
 
@@ -166,14 +173,29 @@ class StreamState:
             if self.next_position < expected[1]:
                 _, out = self._advance(expected[1], expected[1], rid)  # anything the stream skipped
                 self.next_position = expected[1]
-        missing = sorted(set(wf.expand_ranges(h.get("missing", []))) | set(self.lost))
+        try:
+            missing = PositionRanges(h.get("missing") or ()).union(self.lost)
+        except (TypeError, ValueError, IndexError):
+            raise ProtocolError(f"unreadable missing ranges from the daemon: {h.get('missing')!r}") from None
         self.end = CaptureEnd(
             rid, h["instance"], h["reason"], int(h.get("num_prompt_tokens", 0)), int(h.get("num_output_tokens", 0)),
             list(h.get("output_token_ids", [])), h.get("end_position"), expected, missing,  # type: ignore[arg-type]
-            h.get("response_id", ""), int(h.get("choice_index", 0)),
+            h.get("response_id", ""), int(h.get("choice_index", 0)), str(h.get("source") or "client"),
         )
         self.done = True
         return out
+
+
+def refused_message(endpoint: str, status: int) -> str:
+    return (f"the daemon at {endpoint} refused the connection (status {status}): it already has as many connections "
+            "as its max_connections / max_connections_per_peer allow; close others or raise those settings")
+
+
+def refusal(event: dict[str, Any]) -> int | None:
+    """The ZAP status of a monitor event that says the daemon refused the connection, else None."""
+    if event.get("event") == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return int(event.get("value") or 0)
+    return None
 
 
 def _bytes(frame: Any) -> bytes | memoryview:
@@ -196,6 +218,6 @@ class SubscriptionView:
         return self._state.end
 
     @property
-    def missing_positions(self) -> list[int]:
-        """Missing so far (complete only after the end)."""
-        return self._state.end.missing_positions if self._state.end else list(self._state.lost)
+    def missing_positions(self) -> PositionRanges:
+        """Missing so far (complete only after the end): a sorted sequence of ints kept as ranges."""
+        return self._state.end.missing_positions if self._state.end else self._state.lost

@@ -9,9 +9,13 @@ import zmq
 
 from vllm_tap import wire_format as wf
 
-from vllm_tap.client.errors import DaemonUnavailable, ProtocolError, error_for
+from zmq.utils.monitor import recv_monitor_message
+
+from vllm_tap.client.errors import DaemonUnavailable, ProtocolError, Refused, error_for
 from vllm_tap.client.records import Capture, CaptureBuilder, Chunk, Gap, Item
-from vllm_tap.client.stream import HEARTBEAT_S, StreamState, SubscriptionView, resolve_endpoint
+from vllm_tap.client.stream import (
+    HEARTBEAT_S, RECONNECT_IVL_MAX_MS, StreamState, SubscriptionView, refusal, refused_message, resolve_endpoint,
+)
 
 RCVHWM = 256  # messages buffered from the daemon; beyond that the daemon waits (and may cut us off)
 
@@ -38,9 +42,8 @@ class Subscription(SubscriptionView):
         st = self._state
         if st.done:
             return
-        sock = self._sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        sock = self._sock = _dealer(self._ctx)
+        mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         sock.connect(st.endpoint)
         try:
             _send(sock, st.start(time.monotonic()))
@@ -49,13 +52,14 @@ class Subscription(SubscriptionView):
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     if not sock.poll(int(st.heartbeat_s * 1000), zmq.POLLIN):
+                        _check_refused(mon, st.endpoint)
                         _send(sock, st.on_silence(time.monotonic()))
                     continue
                 yield from st.on_frames(frames, time.monotonic())
         finally:
             if not st.done:
                 _send(sock, st.cancel())
-            sock.close(linger=0)
+            _close(sock, mon)
             self._sock = None
 
     def close(self) -> None:
@@ -68,6 +72,30 @@ class Subscription(SubscriptionView):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _dealer(ctx: zmq.Context) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, RCVHWM)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+    return sock
+
+
+def _check_refused(mon: zmq.Socket, endpoint: str) -> None:
+    while mon.poll(0):
+        status = refusal(recv_monitor_message(mon))
+        if status is not None:
+            raise Refused(refused_message(endpoint, status))
+
+
+def _close(sock: zmq.Socket, mon: zmq.Socket) -> None:
+    try:
+        sock.disable_monitor()
+    except zmq.ZMQError:
+        pass
+    mon.close(linger=0)
+    sock.close(linger=0)
 
 
 def _send(sock: zmq.Socket, frames: list[bytes]) -> None:
@@ -106,16 +134,17 @@ class Client:
 
     def status(self, timeout: float = 5.0) -> dict[str, Any]:
         """The daemon's snapshot: rings, writers, requests in flight, bytes, drops, subscribers."""
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = _dealer(self._ctx)
+        mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         try:
             sock.connect(self.endpoint)
             sock.send_multipart(wf.StatusRequest(0).frames())
             if not sock.poll(int(timeout * 1000), zmq.POLLIN):
+                _check_refused(mon, self.endpoint)
                 raise DaemonUnavailable(f"no daemon answered at {self.endpoint} within {timeout:g} s")
             return parse_status(sock.recv_multipart())
         finally:
-            sock.close(linger=0)
+            _close(sock, mon)
 
     def close(self) -> None:
         pass  # sockets live per subscription; the shared context outlives clients

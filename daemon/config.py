@@ -25,6 +25,11 @@ class DaemonConfig:
     retain_ttl_s: float = 600.0  # ... and for at most this long
     end_grace_s: float = 5.0  # after the first END, wait this long for other ranks' slices
     subscriber_queue: int = 10000  # messages queued per subscriber before it is cut off as too slow
+    inflight_bytes: int = 4 << 30  # held for captures not ended yet; beyond, the biggest is cut (gaps)
+    max_connections: int = 4096  # connections to the socket in all; more are refused
+    max_connections_per_peer: int = 1024  # per process (ipc://) or address (tcp://)
+    max_subscriptions: int = 65536  # subscriptions in all; more are refused with an error
+    max_subscriptions_per_connection: int = 1024
     metrics_addr: str = ""  # host:port for Prometheus metrics; "" = off
     log_level: str = "INFO"
 

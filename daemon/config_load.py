@@ -39,8 +39,18 @@ DOCS: dict[str, str] = {
     "(bytes; `512MiB`, `1GiB` accepted).",
     "retain_ttl_s": "Longest a finished request is kept for late subscribers (seconds; `10m` accepted).",
     "end_grace_s": "After a request's first END, how long to wait for the other ranks' slices before "
-    "delivering it (seconds).",
+    "delivering it; also how long a capture whose END was lost (the engine no longer lists it as capturing) "
+    "waits before it ends as `end lost` (seconds).",
     "subscriber_queue": "Messages queued per subscriber before it is cut off as too slow (>= 1).",
+    "inflight_bytes": "Memory for captures that have not ended yet (their histories and what reassembly holds); "
+    "beyond it the biggest capture is cut: its remaining positions become gaps saying `over budget`. Raise it "
+    "for long full-logit captures (bytes; `4GiB` accepted).",
+    "max_connections": "Connections to the subscriber socket at once; more are refused (the client says so). "
+    "Also kept below the descriptor limit.",
+    "max_connections_per_peer": "Connections at once from one peer: one process over `ipc://`, one address over "
+    "`tcp://` (the client opens one per subscription).",
+    "max_subscriptions": "Subscriptions at once, waiting or streaming; more are refused with an error.",
+    "max_subscriptions_per_connection": "Subscriptions at once on one connection; more are refused with an error.",
     "metrics_addr": "`HOST:PORT` (or `:PORT`) for the Prometheus endpoint; empty = no endpoint.",
     "log_level": "`DEBUG`, `INFO`, `WARNING`, `ERROR` or `CRITICAL`.",
 }
@@ -140,8 +150,10 @@ def _validate(cfg: DaemonConfig) -> list[tuple[str, str]]:
     for key in ("retain_bytes", "retain_ttl_s", "end_grace_s"):
         if getattr(cfg, key) < 0:
             bad.append((key, f"must be >= 0, got {getattr(cfg, key)}"))
-    if cfg.subscriber_queue < 1:
-        bad.append(("subscriber_queue", f"must be >= 1, got {cfg.subscriber_queue}"))
+    for key in ("subscriber_queue", "inflight_bytes", "max_connections", "max_connections_per_peer",
+                "max_subscriptions", "max_subscriptions_per_connection"):
+        if getattr(cfg, key) < 1:
+            bad.append((key, f"must be >= 1, got {getattr(cfg, key)}"))
     if cfg.metrics_addr:
         try:
             _check_metrics_addr(cfg.metrics_addr)

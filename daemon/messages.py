@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_tap import wire_format as wf
+from vllm_tap.positions import PositionRanges
 
 from vllm_tap.daemon.reassembly import Begin, End, Event, Gap, Tokens
 from vllm_tap.daemon.store import Entry
@@ -40,13 +41,20 @@ def encode(ev: Event, entry: Entry, sub_id: int, from_position: int | None = Non
             wf.BEGIN, sub_id, request_id=b.request_id, instance=b.instance, tap_key=b.tap_key, names=list(entry.names),
             response_id=entry.response_id, choice_index=entry.choice_index, num_prompt_tokens=b.num_prompt_tokens,
             prompt_token_ids=b.prompt_token_ids, n=b.n, model=b.model, spec=b.spec, start_position=b.start_position,
-            lazy=b.lazy,
+            lazy=b.lazy, source=b.source,
         )]
     assert isinstance(ev, End)
+    missing = ev.missing_positions if isinstance(ev.missing_positions, PositionRanges) else \
+        PositionRanges.of(ev.missing_positions)
+    if from_position is not None:
+        # A resumed subscription got the positions below from_position from someone else (a
+        # previous daemon); the client accounts for those itself.
+        missing = missing.clip(from_position, 1 << 62)
     return [wf.pack(
         wf.END, sub_id, request_id=ev.request_id, instance=ev.instance, reason=ev.reason,
         num_prompt_tokens=ev.num_prompt_tokens, num_output_tokens=ev.num_output_tokens,
         output_token_ids=ev.output_token_ids, end_position=ev.end_position,
-        expected=list(ev.expected) if ev.expected else None, missing=wf.ranges_of(ev.missing_positions),
-        delivered=ev.delivered, response_id=entry.response_id, choice_index=entry.choice_index,
+        expected=list(ev.expected) if ev.expected else None, missing=missing.as_lists(),
+        complete=ev.end_position is not None and not missing, delivered=ev.delivered,
+        response_id=entry.response_id, choice_index=entry.choice_index, source=ev.source,
     )]

@@ -60,6 +60,8 @@ _RING_METRICS: list[tuple[str, str, str, Callable[[dict[str, Any]], float]]] = [
     ("vllm_tap_ring_bytes_dropped", "Bytes the writer dropped because the ring was full.", "counter",
      lambda r: r["writer"]["bytes_dropped"]),
     ("vllm_tap_ring_corrupt", "Times the daemon found the ring corrupt and skipped ahead.", "counter", lambda r: r["corrupt"]),
+    ("vllm_tap_ring_rejected_records", "Records of the ring that did not fit the record schema (skipped; their "
+     "captures ended).", "counter", lambda r: r.get("rejected", 0)),
 ]
 RING_LABELS = ["instance", "ring", "rank"]
 
@@ -114,6 +116,28 @@ class DaemonCollector(Collector):
         yield _counter("vllm_tap_delivered_messages", "Messages sent to subscribers.", s["delivered_messages"])
         yield _counter("vllm_tap_delivered_bytes", "Bytes sent to subscribers.", s["delivered_bytes"])
         yield _counter("vllm_tap_bad_requests", "Client messages rejected as malformed.", s["bad_requests"])
+        yield _counter("vllm_tap_rejected_records", "Ring records that did not fit the record schema, all rings "
+                       "(including rings no longer read).", s.get("rejected_records", 0))
+        yield _counter("vllm_tap_rings_refused", "Files in the ring directory that are not readable rings "
+                       "(other versions, junk, links, sparse files).", s.get("rings_refused", 0))
+        yield _counter("vllm_tap_rings_broken", "Rings dropped because the file changed under the daemon "
+                       "(truncated or grown).", s.get("rings_broken", 0))
+        yield _counter("vllm_tap_writers_exited", "Ring writers whose exit the daemon saw (pidfd).",
+                       s.get("writers_exited", 0))
+        reasm = s.get("reassembly", {})
+        yield _counter("vllm_tap_ends_lost", "Captures ended because their END never came and the engine stopped "
+                       "listing them as capturing.", reasm.get("ends_lost", 0))
+        yield _counter("vllm_tap_captures_cut", "Captures cut to stay inside inflight_bytes.", s.get("captures_cut", 0))
+        yield _gauge("vllm_tap_inflight_bytes", "Bytes held for captures not ended yet (histories and reassembly).",
+                     s.get("inflight_bytes", 0))
+        conns = s.get("connections", {})
+        yield _gauge("vllm_tap_connections", "Connections open to the subscriber socket.", conns.get("open", 0))
+        yield _counter("vllm_tap_connections_refused", "Connections refused (max_connections, max_connections_per_peer).",
+                       conns.get("refused", 0))
+        yield _gauge("vllm_tap_accept_paused", "1 while the daemon does not accept connections (near the descriptor "
+                     "limit).", 1.0 if conns.get("accept_paused") else 0.0)
+        yield _counter("vllm_tap_subscriptions_refused", "Subscriptions refused (max_subscriptions, "
+                       "max_subscriptions_per_connection).", s.get("subscriptions_refused", 0))
         hist = s["delivery_latency_s"]
         h = HistogramMetricFamily("vllm_tap_delivery_latency_seconds", "From reading a record off its ring to sending it to a subscriber.")
         h.add_metric([], _buckets(hist), sum_value=float(hist["sum"]))

@@ -1,7 +1,7 @@
 """Reassembly of ring records into ordered per-request events: a pure state machine (no IO).
 
 The daemon feeds every record it reads, from all rings of one engine instance, in whatever order it
-reads them; out come events per request: Begin, then Tokens and Gap covering every captured
+reads them; out come events per request: Begin, then Tokens and Gap covering every expected
 position exactly once in increasing order, then End. Nothing here reads a clock, a socket or a
 file: time comes in as `now`, so tests drive it deterministically.
 
@@ -16,6 +16,25 @@ How records become tokens (the record contract, see ring_format / hooks):
   completed group that no pending group covers were never computed: both become gaps at once
   instead of waiting for the end.
 - Positions at or below what was already delivered (preemption recomputes them) are dropped.
+
+Rules for what is expected and when a capture ends:
+- Where a capture starts is known from its BEGIN (the spec), or from any DATA record's request table
+  (`start`), so a daemon that missed the BEGIN (restarted) still reports the head it never saw as a
+  Gap, in order, before any data. A tail capture (`tail` N > 0: the last N computed positions)
+  holds the newest N positions until the END says where the request stopped.
+- Async scheduling can compute a request one step past its end. Positions at or past the END's
+  end_position are never delivered: the newest output position of a capture is held back until a
+  later one is seen or the END comes (HOLD_NEWEST). Prompt positions are never past the end, and
+  nothing is held when the BEGIN says the engine does not schedule asynchronously.
+- Every capture ends: by its END (then after end_grace_s for straggling slices), by its writer's
+  death (after gone_grace_s, once the dead ring is drained), by the engine's LIVE records no longer
+  naming it (END lost), by a malformed record naming it, or by the daemon cutting it to stay inside
+  its memory budget. The End says which; `complete` holds only when the END was seen and no
+  expected position is missing.
+- Missing positions are kept as ranges, never as lists of positions: one far-off position costs
+  one range, not memory in proportion to the distance.
+- Bytes held here (pending groups, ready chunks) are counted per request and in `held_bytes`, so
+  the daemon can keep all captures in flight inside a budget.
 """
 
 from __future__ import annotations
@@ -25,11 +44,12 @@ import itertools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Iterable, Union
 
 import numpy as np
 
 from vllm_tap import ring_format as rf
+from vllm_tap.positions import PositionRanges
 from vllm_tap.records import RingRecord, TensorId
 from vllm_tap.spec import CaptureSpec
 
@@ -37,12 +57,21 @@ log = logging.getLogger(__name__)
 
 ENGINE_SOURCE = "engine" + rf.RING_SUFFIX  # the engine ring's name: its writer carries the ENDs
 
-# Why positions are missing (Gap.reason).
+# Why positions are missing (Gap.reason), and why a capture ended without its END (End.reason).
 DROPPED = "dropped"  # the writer's ring was full
 INCOMPLETE = "incomplete"  # some rank's slice never arrived, or the slices did not tile the tensor
-NOT_CAPTURED = "not captured"  # never written (e.g. cached prefix), or consumed by a previous daemon
+NOT_CAPTURED = "not captured"  # never written (e.g. cached prefix)
+NOT_CAPTURED_PREVIOUS = "not captured: consumed by a previous daemon"  # read by the daemon before a restart
 TIMEOUT = "timeout"  # still incomplete end_grace_s after the request's END
 WRITER_GONE = "writer gone"  # the ring's writer died
+RING_BROKEN = "ring broken"  # the ring file changed under the daemon (truncated, grown): no longer read
+END_LOST = "end lost"  # the engine stopped naming the request in its LIVE records and no END came
+MALFORMED = "malformed record"  # a record of the capture did not fit the ring schema
+OVER_BUDGET = "over budget"  # the daemon's in-flight memory budget (inflight_bytes) was exceeded
+
+HOLD_NEWEST = 1  # output positions held back until a later one is seen or the END comes (async scheduling)
+LIVE_SILENCE_S = 3.0  # left out of the latest LIVE, then nothing about it for this long: as good as two absences
+GONE_GRACE_S = 0.25  # after a dead writer's ring is drained: one more read of the other rings
 
 
 # -- events --
@@ -62,6 +91,7 @@ class Begin:
     lazy: bool  # made from a DATA/DROP/END record because the BEGIN was not seen
     update: bool  # a late BEGIN completing the metadata of a lazily made request
     at: float
+    source: str = "client"  # "client" (the request opted in) or "policy" (the server's capture policy)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -109,6 +139,12 @@ class Tokens:
         return Tokens(self.instance, self.request_id, self.positions[k:], self.token_ids[k:],
                       self.num_prompt_tokens, {n: a[k:] for n, a in self.tensors.items()}, self.dtypes, self.at)
 
+    def head(self, stop: int) -> "Tokens":
+        """The part before stop (views)."""
+        k = max(0, stop - self.start)
+        return Tokens(self.instance, self.request_id, self.positions[:k], self.token_ids[:k], self.num_prompt_tokens,
+                      {n: a[:k] for n, a in self.tensors.items()}, self.dtypes, self.at)
+
 
 @dataclass(frozen=True)
 class Gap:
@@ -127,19 +163,25 @@ class Gap:
 class End:
     instance: str
     request_id: str
-    reason: str  # the engine's finish reason, or WRITER_GONE when no END ever came
+    reason: str  # the engine's finish reason; without an END: WRITER_GONE, END_LOST, MALFORMED
     num_prompt_tokens: int
     num_output_tokens: int
     output_token_ids: list[int]
-    end_position: int | None  # the model computed positions [0, end_position)
+    end_position: int | None  # the model computed positions [0, end_position); None: no END was seen
     expected: tuple[int, int] | None  # [start, stop) of positions that should have been captured
-    missing_positions: list[int]  # every expected position not delivered
+    missing_positions: PositionRanges | list[int]  # every expected position not delivered, as ranges
     delivered: int  # positions delivered
     at: float
+    source: str = "client"
 
     @property
     def key(self) -> tuple[str, str]:
         return (self.instance, self.request_id)
+
+    @property
+    def complete(self) -> bool:
+        """The END was seen and every expected position was delivered."""
+        return self.end_position is not None and not self.missing_positions
 
 
 Event = Union[Begin, Tokens, Gap, End]
@@ -158,6 +200,10 @@ def _tensor_name(tid: TensorId) -> str:
     return name
 
 
+def _record_bytes(r: RingRecord) -> int:
+    return (r.data.nbytes if r.data is not None else 0) + r.positions.nbytes + r.token_ids.nbytes
+
+
 @dataclass
 class _Group:
     """The records of one (request, step) seen so far."""
@@ -169,12 +215,20 @@ class _Group:
     num_prompt_tokens: int
     parts: dict[int, dict[tuple, RingRecord]] = field(default_factory=dict)  # rank -> slice key -> record
     wanted: dict[int, int] = field(default_factory=dict)  # rank -> rank_parts
+    nbytes: int = 0
 
-    def add(self, r: RingRecord) -> None:
-        # Keyed by slice so a duplicate record replaces rather than double-counts.
+    def add(self, r: RingRecord) -> int:
+        """Add a record; returns the change in bytes held."""
         assert r.tensor is not None
-        self.parts.setdefault(r.rank, {})[(r.tensor, r.slice_start, r.slice_stop)] = r
+        # Keyed by slice so a duplicate record replaces rather than double-counts.
+        recs = self.parts.setdefault(r.rank, {})
+        k = (r.tensor, r.slice_start, r.slice_stop)
+        old = recs.get(k)
+        recs[k] = r
         self.wanted[r.rank] = max(r.rank_parts, 1)
+        delta = _record_bytes(r) - (_record_bytes(old) if old is not None else 0)
+        self.nbytes += delta
+        return delta
 
     def complete(self) -> bool:
         done = sum(1 for rank, recs in self.parts.items() if len(recs) >= self.wanted[rank])
@@ -193,6 +247,10 @@ class _Chunk:
     tokens: Tokens | None = None
     reason: str = ""
 
+    @property
+    def nbytes(self) -> int:
+        return self.tokens.nbytes if self.tokens is not None else 0
+
 
 @dataclass
 class _Request:
@@ -200,11 +258,13 @@ class _Request:
     tap_key: str
     num_prompt_tokens: int
     lazy: bool
-    begin_meta: dict[str, Any] | None = None
+    source: str = "client"
+    begin: Any = None  # ring_schema.BeginMeta, once a BEGIN was seen
     spec: CaptureSpec | None = None
+    tail: int = 0  # N > 0: the capture is the last N computed positions
     start: int | None = None  # first expected position, if known
     frontier: int | None = None  # next position to deliver
-    first_frontier: int | None = None  # where delivery started (for End's missing list)
+    first_frontier: int | None = None  # where delivery started (for End's missing ranges)
     groups: dict[int, _Group] = field(default_factory=dict)
     ready: list[tuple[int, int, int, _Chunk]] = field(default_factory=list)  # heap
     missing: list[range] = field(default_factory=list)
@@ -212,9 +272,21 @@ class _Request:
     sources: set[str] = field(default_factory=set)
     gone: set[str] = field(default_factory=set)
     dead_at: float | None = None
-    end_meta: dict[str, Any] | None = None
+    dead_reason: str = WRITER_GONE
+    end: Any = None  # ring_schema.EndMeta, once the END was seen
     end_at: float | None = None
     stop: int | None = None  # expected stop, known at END
+    max_seen: int = -1  # highest position any record of it carried
+    nbytes: int = 0  # held here: pending groups and ready chunks
+    inherited: bool = False  # first seen in a ring that a previous daemon had been reading
+    records: int = 0  # records seen (activity, for the LIVE rule)
+    live_absent: int = 0  # successive LIVE records without it, with no record of it since the first
+    absent_mark: int = 0  # `records` at the first of those
+    listed: bool | None = None  # whether the latest LIVE record named it (None: no LIVE seen yet)
+    last_record_at: float = 0.0
+    lost_at: float | None = None  # when the LIVE rule declared its END lost
+    cut: str | None = None  # why its data is no longer kept (over budget)
+    hold: int = HOLD_NEWEST  # output positions held back (0 when the BEGIN says the engine is not async)
 
     def resolved(self, positions: np.ndarray) -> bool:
         """Every position already delivered or waiting in `ready` (a duplicate or recompute)."""
@@ -244,30 +316,27 @@ def _runs(positions: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
     return [(int(s[0]), int(s[-1]) + 1, o) for s, o in zip(np.split(sp, cuts), np.split(order, cuts)) if len(s)]
 
 
-def _ranges(positions: list[int] | np.ndarray) -> list[range]:
-    ps = sorted(set(int(p) for p in positions))
-    out: list[range] = []
-    for p in ps:
-        if out and out[-1].stop == p:
-            out[-1] = range(out[-1].start, p + 1)
-        else:
-            out.append(range(p, p + 1))
-    return out
-
-
 class Reassembler:
     """Per-request reassembly for the rings of one engine instance."""
 
-    def __init__(self, instance: str = "default", *, end_grace_s: float = 5.0, finished_memory: int = 65536):
+    def __init__(self, instance: str = "default", *, end_grace_s: float = 5.0, gone_grace_s: float = GONE_GRACE_S,
+                 finished_memory: int = 65536, hold_newest: int = HOLD_NEWEST, live_silence_s: float = LIVE_SILENCE_S):
         self.instance = instance
         self.end_grace_s = end_grace_s
+        self.gone_grace_s = min(gone_grace_s, end_grace_s)
+        self.hold_newest = hold_newest
+        self.live_silence_s = live_silence_s
         self._requests: dict[str, _Request] = {}
         # Ids recently finished, so records straggling in after the End do not start a new capture.
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._finished_memory = finished_memory
         self._seq = itertools.count()
+        self._resumed: set[str] = set()  # rings a previous daemon had been reading
+        self._last_live_at: float | None = None
+        self.held_bytes = 0
         self.stats = {"records": 0, "late_records": 0, "duplicate_records": 0, "bad_records": 0,
-                      "requests_started": 0, "requests_finished": 0, "missing_positions": 0}
+                      "past_end_records": 0, "rejected_records": 0, "requests_started": 0, "requests_finished": 0,
+                      "missing_positions": 0, "live_records": 0, "ends_lost": 0, "captures_cut": 0}
 
     # -- inspection --
 
@@ -277,12 +346,20 @@ class Reassembler:
     def requests(self) -> list[dict[str, Any]]:
         return [
             {"instance": self.instance, "request_id": r.request_id, "frontier": r.frontier,
-             "pending_groups": len(r.groups), "delivered": r.delivered,
-             "missing": sum(len(m) for m in r.missing), "ended": r.end_meta is not None}
+             "pending_groups": len(r.groups), "delivered": r.delivered, "held_bytes": r.nbytes,
+             "missing": sum(len(m) for m in r.missing), "ended": r.end is not None, "source": r.source}
             for r in self._requests.values()
         ]
 
+    def request_bytes(self) -> Iterable[tuple[str, int]]:
+        """(request id, bytes held here) of every capture in flight."""
+        return ((rid, r.nbytes) for rid, r in self._requests.items())
+
     # -- inputs --
+
+    def resumed_ring(self, ring: str) -> None:
+        """`ring` was being read by a previous daemon: captures first seen in it may have lost their head to it."""
+        self._resumed.add(ring)
 
     def feed(self, record: RingRecord, now: float) -> list[Event]:
         out: list[Event] = []
@@ -296,43 +373,108 @@ class Reassembler:
             self._on_end(record, now, out)
         elif kind == rf.RecordKind.DROP:
             self._on_drop(record, now, out)
+        elif kind == rf.RecordKind.LIVE:
+            self._on_live(record, now)
+        return out
+
+    def reject(self, request_ids: Iterable[str], why: str, now: float) -> list[Event]:
+        """A record naming these requests did not fit the schema: end them, saying so."""
+        out: list[Event] = []
+        self.stats["rejected_records"] += 1
+        for rid in request_ids:
+            req = self._requests.get(rid)
+            if req is None:
+                if rid in self._finished:
+                    continue
+                req = self._new_request(RingRecord(kind=rf.RecordKind.BEGIN, request_id=rid), now, out, lazy=True)
+            log.warning("request %s: ended, a record of it was malformed (%s)", rid, why)
+            self._finish(req, now, out, MALFORMED)
+        return out
+
+    def cut(self, request_id: str, now: float, reason: str = OVER_BUDGET) -> list[Event]:
+        """Stop keeping the data of a capture in flight: what is held and what comes later become gaps."""
+        out: list[Event] = []
+        req = self._requests.get(request_id)
+        if req is None or req.cut is not None:
+            return out
+        req.cut = reason
+        self.stats["captures_cut"] += 1
+        self._fail_groups(req, list(req.groups.values()), reason)
+        kept = []
+        for item in req.ready:
+            ch = item[3]
+            if ch.tokens is not None:
+                self._account(req, -ch.nbytes)
+                ch = _Chunk(ch.start, ch.stop, None, reason)
+            kept.append((ch.start, 1, item[2], ch))
+        heapq.heapify(kept)
+        req.ready = kept
+        self._pump(req, now, out)
         return out
 
     def tick(self, now: float) -> list[Event]:
-        """Resolve what timed out: requests past their END's grace, groups of dead writers."""
+        """Resolve what timed out: requests past their END's grace, dead writers, lost ENDs."""
         out: list[Event] = []
         for req in list(self._requests.values()):
             if req.end_at is not None and now >= req.end_at + self.end_grace_s:
-                self._finish(req, now, out, TIMEOUT)
-            elif req.dead_at is not None and now >= req.dead_at + self.end_grace_s:
-                self._fail_groups(req, list(req.groups.values()), WRITER_GONE)
+                nothing = req.inherited and not req.delivered and not req.groups and not req.ready
+                self._finish(req, now, out, NOT_CAPTURED_PREVIOUS if nothing else TIMEOUT)
+            elif req.dead_at is not None and now >= req.dead_at + self.gone_grace_s:
+                self._fail_groups(req, list(req.groups.values()), req.dead_reason)
                 self._pump(req, now, out)
                 if ENGINE_SOURCE in req.gone or req.sources <= req.gone:
-                    self._finish(req, now, out, WRITER_GONE)
+                    self._finish(req, now, out, req.dead_reason)
                 else:
                     req.dead_at = None  # the engine lives on and will END it
+            elif req.end is None:
+                if req.lost_at is None and req.listed is False and self._last_live_at is not None:
+                    # The latest LIVE left it out, and since then neither a record of it nor a LIVE
+                    # naming it came: none will (the engine writes one LIVE after the last capture ends).
+                    quiet = max(self._last_live_at, req.last_record_at) + self.live_silence_s
+                    if now >= quiet:
+                        req.lost_at = quiet
+                if req.lost_at is not None and now >= req.lost_at + self.end_grace_s:
+                    self.stats["ends_lost"] += 1
+                    log.warning("request %s: no END, and the engine no longer lists it as capturing: ended",
+                                req.request_id)
+                    self._finish(req, now, out, END_LOST)
         return out
 
-    def writer_gone(self, source: str, now: float) -> list[Event]:
-        """The writer of ring `source` died or was replaced: what waits on it is resolved after the grace."""
+    def writer_gone(self, source: str, now: float, reason: str = WRITER_GONE) -> list[Event]:
+        """The writer of ring `source` died or was replaced, and its ring was drained (or the ring
+        broke, `reason`): what waits on it is resolved after gone_grace_s (one more read of the
+        other rings)."""
         for req in self._requests.values():
             if source == ENGINE_SOURCE or source in req.sources:
                 req.gone.add(source)
                 if req.dead_at is None:
                     req.dead_at = now
+                    req.dead_reason = reason
         return []
 
     # -- record kinds --
 
     def _new_request(self, r: RingRecord, now: float, out: list[Event], lazy: bool) -> _Request:
         self._finished.pop(r.request_id, None)
-        req = _Request(r.request_id, r.tap_key, r.num_prompt_tokens, lazy)
+        req = _Request(r.request_id, r.tap_key, r.num_prompt_tokens, lazy, source=r.source or "client",
+                       inherited=lazy and r.ring in self._resumed, hold=self.hold_newest)
         self._requests[r.request_id] = req
         self.stats["requests_started"] += 1
         if not lazy:
-            self._apply_begin(req, r.meta)
+            self._apply_begin(req, r)
+        elif r.kind == rf.RecordKind.DATA:
+            self._apply_table(req, r)
+        elif r.kind == rf.RecordKind.END and r.spec is not None:
+            self._apply_spec(req, r.spec, r.source)
         out.append(self._begin_event(req, now, update=False))
         return req
+
+    def _touch(self, req: _Request, now: float) -> None:
+        req.records += 1
+        req.last_record_at = now
+        if req.live_absent or req.lost_at is not None:
+            req.live_absent = 0
+            req.lost_at = None
 
     def _lazy(self, r: RingRecord, now: float, out: list[Event]) -> _Request | None:
         req = self._requests.get(r.request_id)
@@ -343,39 +485,66 @@ class Reassembler:
             return None
         return self._new_request(r, now, out, lazy=True)
 
-    def _apply_begin(self, req: _Request, meta: dict[str, Any]) -> None:
-        req.begin_meta = meta
-        req.num_prompt_tokens = int(meta.get("num_prompt_tokens", req.num_prompt_tokens) or 0)
-        try:
-            req.spec = CaptureSpec.from_meta(meta["spec"]) if meta.get("spec") is not None else None
-        except (KeyError, ValueError, TypeError) as e:
-            log.warning("request %s: unreadable capture spec in BEGIN (%s); capturing from the first position seen",
-                        req.request_id, e)
-            req.spec = None
+    def _set_start(self, req: _Request, start: int) -> None:
+        req.start = start
+        if req.frontier is None:
+            req.frontier = req.first_frontier = start
+
+    def _apply_spec(self, req: _Request, spec: CaptureSpec, source: str | None) -> None:
+        req.spec = spec
+        req.tail = spec.tail
+        if source:
+            req.source = source
+        first = spec.first_position(req.num_prompt_tokens)
+        if first is not None:
+            self._set_start(req, first)
+
+    def _apply_table(self, req: _Request, r: RingRecord) -> None:
+        """What a DATA record's request table says about a capture whose BEGIN was not seen."""
+        if r.source:
+            req.source = r.source
         if req.spec is not None:
-            req.start = req.spec.first_position(req.num_prompt_tokens)
-            if req.frontier is None:
-                req.frontier = req.first_frontier = req.start
+            return
+        if r.tail > 0:
+            req.tail = r.tail
+        elif r.start >= 0 and req.start is None:
+            self._set_start(req, r.start)
+
+    def _apply_begin(self, req: _Request, r: RingRecord) -> None:
+        info = r.control
+        req.begin = info
+        if info is not None and info.num_prompt_tokens:
+            req.num_prompt_tokens = info.num_prompt_tokens
+        if info is not None and info.async_scheduling is False:
+            req.hold = 0  # no step runs past the end: nothing to hold back
+        if r.spec is not None:
+            self._apply_spec(req, r.spec, r.source)
 
     def _begin_event(self, req: _Request, now: float, update: bool) -> Begin:
-        m = req.begin_meta or {}
-        prompt = m.get("prompt_token_ids")
+        b = req.begin
+        prompt = b.prompt_token_ids if b is not None else None
         return Begin(
             self.instance, req.request_id, req.tap_key, req.num_prompt_tokens,
-            list(prompt) if prompt is not None else None, int(m.get("n", 1) or 1), str(m.get("model", "")),
+            list(prompt) if prompt is not None else None, b.n if b is not None else 1, b.model if b is not None else "",
             req.spec.to_meta() if req.spec else None, req.start if req.start is not None else req.frontier,
-            req.lazy, update, now,
+            req.lazy, update, now, req.source,
         )
 
     def _on_begin(self, r: RingRecord, now: float, out: list[Event]) -> None:
         req = self._requests.get(r.request_id)
         if req is None:
             self._new_request(r, now, out, lazy=False)
-        elif req.begin_meta is None:
-            self._apply_begin(req, r.meta)
+        elif req.begin is None:
+            self._touch(req, now)
+            self._apply_begin(req, r)
             out.append(self._begin_event(req, now, update=True))
             self._pump(req, now, out)
         # else: a duplicate BEGIN; the first one stands
+
+    def _seen(self, req: _Request, positions: np.ndarray) -> None:
+        top = int(positions.max())
+        if top > req.max_seen:
+            req.max_seen = top
 
     def _on_data(self, r: RingRecord, now: float, out: list[Event]) -> None:
         n = len(r.positions)
@@ -386,11 +555,22 @@ class Reassembler:
         req = self._lazy(r, now, out)
         if req is None:
             return
+        self._touch(req, now)
         req.sources.add(r.ring)
         if req.num_prompt_tokens == 0:
             req.num_prompt_tokens = r.num_prompt_tokens
-        if req.frontier is None and req.start is None and req.lazy:
+        if req.spec is None and req.start is None and not req.tail:
+            self._apply_table(req, r)
+        if req.frontier is None and req.start is None and req.lazy and not req.tail:
             req.frontier = req.first_frontier = int(r.positions.min())  # capture starts at the first position seen
+        if req.stop is not None and int(r.positions.min()) >= req.stop:
+            self.stats["past_end_records"] += 1  # computed after the end (async scheduling): never delivered
+            return
+        self._seen(req, r.positions)
+        if req.cut is not None:
+            self._add_missing(req, r.positions, req.cut)
+            self._pump(req, now, out)
+            return
         if req.resolved(r.positions):
             self.stats["duplicate_records"] += 1
             return
@@ -401,13 +581,12 @@ class Reassembler:
             self.stats["bad_records"] += 1
             log.warning("request %s step %d: records cover different positions; the step is missing",
                         req.request_id, r.step)
-            del req.groups[r.step]
             self._fail_groups(req, [g], INCOMPLETE)
             self._pump(req, now, out)
             return
-        g.add(r)
+        self._account(req, g.add(r))
         if g.complete():
-            del req.groups[r.step]
+            self._take_group(req, g)
             self._complete(req, g, now)
             self._pump(req, now, out)
 
@@ -415,16 +594,17 @@ class Reassembler:
         req = self._lazy(r, now, out)
         if req is None:
             return
+        self._touch(req, now)
         req.sources.add(r.ring)
-        dropped = np.asarray(r.meta.get("positions", []), np.int64)
+        positions = r.control.positions if r.control is not None else r.meta.get("positions", [])
+        dropped = np.asarray(positions, np.int64)
         if not len(dropped):
             return
-        if req.frontier is None and req.start is None and req.lazy:
+        if req.frontier is None and req.start is None and req.lazy and not req.tail:
             req.frontier = req.first_frontier = int(dropped.min())
+        self._seen(req, dropped)
         lo, hi = int(dropped.min()), int(dropped.max()) + 1
         hit = [g for g in req.groups.values() if g.overlaps(lo, hi) and np.isin(g.positions, dropped).any()]
-        for g in hit:
-            del req.groups[g.step]
         self._fail_groups(req, hit, DROPPED)
         self._add_missing(req, dropped, DROPPED)
         self._pump(req, now, out)
@@ -435,20 +615,27 @@ class Reassembler:
             if r.request_id in self._finished:
                 return
             req = self._new_request(r, now, out, lazy=True)
-        if req.end_meta is not None:
+        if req.end is not None:
             return
-        m = r.meta
-        req.end_meta = m
+        self._touch(req, now)
+        m = r.control
+        req.end = m
         req.end_at = now
         if not req.num_prompt_tokens:
-            req.num_prompt_tokens = int(m.get("num_prompt_tokens", 0) or 0)
-        end = int(m.get("end_position", 0) or 0)
+            req.num_prompt_tokens = m.num_prompt_tokens
+        if req.spec is None and r.spec is not None:
+            self._apply_spec(req, r.spec, r.source)
+        elif r.source and req.begin is None:
+            req.source = r.source
+        end = m.end_position
         if req.spec is not None:
             start, stop = req.spec.position_range(req.num_prompt_tokens, end)
+        elif req.tail:
+            start, stop = max(end - req.tail, 0), end
         else:
-            # No BEGIN (a restarted daemon consumed it): capture starts at the first position seen,
-            # which is unknown until data comes (the engine ring is read first, so END often leads).
-            start, stop = req.first_frontier, end
+            # No spec: capture starts where the table said, else at the first position seen, which
+            # is unknown until data comes (the engine ring is read first, so END often leads).
+            start, stop = (req.start if req.start is not None else req.first_frontier), end
         req.stop = stop if start is None else max(stop, start)
         if start is not None:
             req.start = start
@@ -457,6 +644,39 @@ class Reassembler:
                 if req.first_frontier is None:
                     req.first_frontier = start
         self._pump(req, now, out)
+
+    def _on_live(self, r: RingRecord, now: float) -> None:
+        self.stats["live_records"] += 1
+        if r.ring != ENGINE_SOURCE or r.control is None:
+            return
+        self._last_live_at = now
+        live = set(r.control.requests)
+        for req in self._requests.values():
+            if req.end is not None or req.lost_at is not None:
+                continue
+            if req.request_id in live:
+                req.listed = True
+                req.live_absent = 0
+                continue
+            req.listed = False
+            if req.live_absent and req.records != req.absent_mark:
+                req.live_absent = 0  # it had a record since the first absence: start counting again
+            if req.live_absent == 0:
+                req.absent_mark = req.records
+            req.live_absent += 1
+            if req.live_absent >= 2:
+                req.lost_at = now
+
+    # -- byte accounting --
+
+    def _account(self, req: _Request, delta: int) -> None:
+        req.nbytes += delta
+        self.held_bytes += delta
+
+    def _take_group(self, req: _Request, g: _Group) -> None:
+        if req.groups.get(g.step) is g:
+            del req.groups[g.step]
+            self._account(req, -g.nbytes)
 
     # -- assembly --
 
@@ -503,30 +723,43 @@ class Reassembler:
         ranks = set(done.parts)
         stale = [g for g in req.groups.values()
                  if g.step < done.step and set(g.parts) <= ranks and len(ranks) >= g.expected_ranks]
-        for g in stale:
-            del req.groups[g.step]
         self._fail_groups(req, stale, INCOMPLETE)
 
     def _fail_groups(self, req: _Request, groups: list[_Group], reason: str) -> None:
         for g in groups:
-            req.groups.pop(g.step, None)
+            self._take_group(req, g)
             self._add_missing(req, g.positions, reason)
 
     def _add_missing(self, req: _Request, positions, reason: str) -> None:
         ps = np.asarray(positions, np.int64)
         if req.frontier is not None:
             ps = ps[ps >= req.frontier]
-        for rng in _ranges(ps):
-            self._push(req, _Chunk(rng.start, rng.stop, None, reason))
+        for a, b in PositionRanges.of(ps).ranges:
+            self._push(req, _Chunk(a, b, None, reason))
 
     def _push(self, req: _Request, ch: _Chunk) -> None:
         # Data sorts before a gap at the same start: a recomputed copy beats a drop report.
         heapq.heappush(req.ready, (ch.start, 0 if ch.tokens is not None else 1, next(self._seq), ch))
+        self._account(req, ch.nbytes)
         if _holding(req):
-            # Only the newest positions can turn out to be the last: keep just those.
-            latest = max(c.start for _, _, _, c in req.ready)
-            req.ready = [item for item in req.ready if item[3].stop > latest]
-            heapq.heapify(req.ready)
+            # Only the newest positions can turn out to be the last ones: keep the tail's worth,
+            # plus the held-back newest (a position computed past the end).
+            latest = max(c.stop for _, _, _, c in req.ready)
+            keep = req.tail + req.hold
+            kept = []
+            for item in req.ready:
+                if item[3].stop > latest - keep:
+                    kept.append(item)
+                else:
+                    self._account(req, -item[3].nbytes)
+            if len(kept) != len(req.ready):
+                heapq.heapify(kept)
+                req.ready = kept
+
+    def _pop(self, req: _Request) -> _Chunk:
+        ch = heapq.heappop(req.ready)[3]
+        self._account(req, -ch.nbytes)
+        return ch
 
     # -- delivery --
 
@@ -544,80 +777,99 @@ class Reassembler:
         self.stats["missing_positions"] += len(rng)
         out.append(Gap(self.instance, req.request_id, rng, reason, now))
 
+    def _limit(self, req: _Request) -> int | None:
+        """Positions below this may be delivered now (None: no limit)."""
+        if req.stop is not None:
+            return req.stop
+        if req.hold:
+            # Only a decode step can run past the end (the END's end_position is at least the
+            # prompt length once a token was generated, and covers a prefill chunk in flight when
+            # none was), so prompt positions never wait.
+            return max(req.max_seen + 1 - req.hold, req.num_prompt_tokens)
+        return None
+
     def _pump(self, req: _Request, now: float, out: list[Event], force_reason: str | None = None) -> None:
         """Deliver ready chunks in position order; finish the request when everything is resolved."""
         while req.ready and not _holding(req):
             start, _, _, ch = req.ready[0]
             if req.frontier is None:
                 req.frontier = req.first_frontier = start
-            if req.stop is not None and req.frontier >= req.stop:
+            lim = self._limit(req)
+            if lim is not None and req.frontier >= lim:
                 break
             if ch.stop <= req.frontier:
-                heapq.heappop(req.ready)
+                self._pop(req)
                 continue
             if start > req.frontier:
                 if force_reason is None and not self._may_skip(req, req.frontier, start):
                     break
-                self._emit_gap(req, req.frontier, start, force_reason or NOT_CAPTURED, now, out)
-                req.frontier = start
-            heapq.heappop(req.ready)
+                hi = start if lim is None else min(start, lim)
+                reason = force_reason or (NOT_CAPTURED_PREVIOUS if req.inherited and not req.delivered
+                                          and req.frontier == req.start else NOT_CAPTURED)
+                self._emit_gap(req, req.frontier, hi, reason, now, out)
+                req.frontier = hi
+                continue
+            ch = self._pop(req)
+            hi = ch.stop if lim is None else min(ch.stop, lim)
             if ch.tokens is None:
-                self._emit_gap(req, req.frontier, ch.stop, ch.reason, now, out)
+                self._emit_gap(req, req.frontier, hi, ch.reason, now, out)
+                if hi < ch.stop:
+                    self._push(req, _Chunk(hi, ch.stop, None, ch.reason))
             else:
                 tok = ch.tokens.cut(req.frontier)
-                if req.stop is not None and tok.stop > req.stop:
-                    tok = _head(tok, req.stop)
+                if hi < ch.stop:
+                    self._push(req, _Chunk(hi, ch.stop, tok.cut(hi)))  # held back, see HOLD_NEWEST
+                    tok = tok.head(hi)
                 req.delivered += len(tok.positions)
                 out.append(tok)
-            req.frontier = ch.stop
+            req.frontier = hi
         if force_reason is not None and req.stop is not None and req.frontier is not None and req.frontier < req.stop:
             self._emit_gap(req, req.frontier, req.stop, force_reason, now, out)
             req.frontier = req.stop
         if req.stop is not None and req.frontier is not None and req.frontier >= req.stop and force_reason is None:
             self._finish(req, now, out, None)
 
-    def _fail_all(self, req: _Request, reason: str) -> None:
-        self._fail_groups(req, list(req.groups.values()), reason)
-
     def _finish(self, req: _Request, now: float, out: list[Event], force_reason: str | None) -> None:
-        if req.request_id not in self._requests:
+        if self._requests.get(req.request_id) is not req:
             return
         if force_reason is not None:
-            self._fail_all(req, force_reason)
-            if req.stop is None:  # no END: expected positions end where capture got to
-                tail = max((ch.stop for _, _, _, ch in req.ready), default=req.frontier or 0)
-                req.stop = max(tail, req.frontier or 0)
+            self._fail_groups(req, list(req.groups.values()), force_reason)
+            if req.stop is None:  # no END: the expected positions end where capture got to
+                top = max((ch.stop for _, _, _, ch in req.ready), default=req.frontier or 0)
+                req.stop = max(top, req.frontier or 0)
+                if req.tail and req.start is None and req.ready:
+                    # A tail capture without its END: keep the last `tail` positions it reached.
+                    self._set_start(req, max(min(ch.start for _, _, _, ch in req.ready), req.stop - req.tail))
+                    req.frontier = req.start
             self._pump(req, now, out, force_reason)
         del self._requests[req.request_id]
+        self._account(req, -req.nbytes)
+        req.ready = []
         self._finished[req.request_id] = None
         while len(self._finished) > self._finished_memory:
             self._finished.popitem(last=False)
         self.stats["requests_finished"] += 1
-        m = req.end_meta or {}
+        m = req.end
         start = req.start if req.start is not None else req.first_frontier
         if start is None:  # nothing seen and nothing known: no claim either way
             start = stop = 0
         else:
             stop = req.stop if req.stop is not None else start
-        missing = [p for rng in req.missing for p in rng if start <= p < stop]
+        missing = PositionRanges(req.missing).clip(start, stop)
         if req.first_frontier is not None and req.first_frontier > start:
             # Capture started late (the BEGIN came after data, or a previous daemon consumed the
-            # head): those positions were never delivered, though not reported as a Gap in order.
-            missing = list(range(start, min(req.first_frontier, stop))) + missing
+            # head) and the head could not be reported as a Gap in order.
+            missing = missing.union([(start, min(req.first_frontier, stop))])
+        reason = m.reason if m is not None else (force_reason or WRITER_GONE)
         out.append(End(
-            self.instance, req.request_id, str(m.get("reason", force_reason or WRITER_GONE)) if req.end_meta else WRITER_GONE,
-            req.num_prompt_tokens, int(m.get("num_output_tokens", 0) or 0), list(m.get("output_token_ids", []) or []),
-            m.get("end_position"), (start, stop) if stop > start else None, missing, req.delivered, now,
+            self.instance, req.request_id, reason, req.num_prompt_tokens,
+            m.num_output_tokens if m is not None else 0, list(m.output_token_ids) if m is not None else [],
+            m.end_position if m is not None else None, (start, stop) if stop > start else None, missing,
+            req.delivered, now, req.source,
         ))
 
 
 def _holding(req: _Request) -> bool:
-    """True while which positions to deliver depends on the END (last_output: workers write every
-    output position, and only the one the END names as last is the capture)."""
-    return req.spec is not None and req.start is None and req.stop is None
-
-
-def _head(tok: Tokens, stop: int) -> Tokens:
-    k = max(0, stop - tok.start)
-    return Tokens(tok.instance, tok.request_id, tok.positions[:k], tok.token_ids[:k], tok.num_prompt_tokens,
-                  {n: a[:k] for n, a in tok.tensors.items()}, tok.dtypes, tok.at)
+    """True while which positions to deliver depends on the END (a tail capture: workers write
+    every position it might include, and only the END says which are the last ones)."""
+    return req.tail > 0 and req.stop is None

@@ -1,19 +1,38 @@
 """The daemon: discovers rings, reads them, reassembles per request, serves subscribers over ZeroMQ.
 
-One thread does everything in a loop (scan the shm directory, poll every ring, feed the
-reassemblers, answer requests, push messages to subscribers), so there is no locking on the data
-path; a lock only guards the state against `snapshot()` from another thread. Sends never block:
-each subscriber reads its capture's history at its own pace through the ROUTER socket's high-water
-mark, and one that falls more than `subscriber_queue` live messages behind is cut off as too slow,
-so it cannot hold up the rings or the other subscribers.
+One thread does everything in a loop (discover rings, poll every ring, feed the reassemblers, answer
+requests, push messages to subscribers), so there is no locking on the data path; a lock only
+guards the state against `snapshot()` from another thread. Sends never block: each subscriber
+reads its capture's history at its own pace through the ROUTER socket's high-water mark, and one
+that falls more than `subscriber_queue` live messages behind is cut off as too slow, so it cannot
+hold up the rings or the other subscribers.
+
+What the daemon survives, and how (docs/operate.md says the same for operators):
+- Anything in a ring: records are decoded against a schema (vllm_tap.ring_schema); one that does not
+  fit is counted per ring, logged once with ring and cursor, and the captures it names end with a
+  reason. A ring file that changes size under the daemon is dropped with one line, counted, and its
+  captures end; rings are read with pread, never mapped, so nothing in a ring can fault the daemon.
+- Rings are found through inotify without following links, a bounded amount of work per round.
+- Writers: each ring's writer is watched through a pidfd (kill(pid, 0) where there is none); its
+  death ends its captures within a second, after what its ring still holds is read.
+- Connections: the descriptor limit is raised to the hard limit; connections are capped per peer
+  and in all (peers.py), subscriptions per connection and in all; frames larger than
+  MAX_FRAME_BYTES are refused by libzmq before they are buffered; subscriptions waiting for a name
+  are indexed by name and dropped when their peer goes.
+- Memory: what captures in flight hold (reassembly and histories) is kept inside `inflight_bytes`;
+  beyond it the biggest capture is cut, its remaining positions becoming gaps with a reason.
 """
 
 from __future__ import annotations
 
 import bisect
 import errno
+import heapq
+import itertools
 import logging
 import os
+import resource
+import select
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,29 +42,37 @@ import zmq
 
 from vllm_tap import ring_format as rf
 from vllm_tap import wire_format as wf
-from vllm_tap.ring import RingFormatError, RingReader
+from vllm_tap.ring import RingBroken, RingFormatError, RingReader
 
 from vllm_tap.daemon.config import DaemonConfig
+from vllm_tap.daemon.discovery import Candidate, RingDirectory
 from vllm_tap.daemon.messages import Frames, encode
-from vllm_tap.daemon.reassembly import Begin, Event, Reassembler
+from vllm_tap.daemon.peers import Peers
+from vllm_tap.daemon.reassembly import OVER_BUDGET, RING_BROKEN, Begin, Event, Reassembler
 from vllm_tap.daemon.store import Entry, LookupFailed, Store
 from vllm_tap.doorbell import Doorbell
 
 log = logging.getLogger(__name__)
 
-SCAN_INTERVAL_S = 0.25  # how often the shm directory is rescanned for new or replaced rings
-LIVENESS_INTERVAL_S = 1.0  # how often writer pids are checked
+DISCOVERY_INTERVAL_S = 0.05  # how often discovery runs (inotify events, or a slice of a scan)
+DISCOVERY_WALK = 4096  # directory entries looked at per discovery round
+DISCOVERY_OPENS = 256  # candidate files tried per discovery round
+LIVENESS_INTERVAL_S = 1.0  # rings without a pidfd: how often kill(pid, 0) runs; all rings: replaced?
 RECENT_WRITE_NS = 10 * 10**9  # a ring written this recently counts as alive even if its pid is not
 # visible (a writer in another pid namespace)
 TICK_INTERVAL_S = 0.05  # reassembler timeouts, retention, subscription timeouts
 ON_TICK_INTERVAL_S = 0.05
+PROBE_INTERVAL_S = 1.0  # how often connections holding subscriptions are checked for having gone
 READ_BUDGET_BYTES = 16 << 20  # per ring per round, so one busy ring cannot starve the others
 SEND_BATCH = 64  # messages per subscriber per round, for fairness between subscribers
 SNDHWM = 256  # messages the socket holds per subscriber before sends to it would block
+MAX_FRAME_BYTES = 1 << 20  # a request is one frame of at most wire_format.MAX_REQUEST_BYTES
 IDLE_AFTER_S = 1.0  # after this long with nothing to do ...
 IDLE_SLEEP_S = 0.005  # ... sleep up to this long between ring polls
 STOP_FLUSH_S = 1.0  # how long stop() tries to get the final messages out
 TOO_SLOW_FLUSH_S = 5.0  # how long a cut-off subscriber's error is retried
+MAX_NOFILE = 1 << 20  # the soft descriptor limit is raised to the hard one, up to this
+LOG_FIRST = 20  # refused ring files logged one by one; then a count per minute
 
 # Delivery latency (ring read to send), seconds; fixed so scrapes can be compared over time.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -79,17 +106,38 @@ class Histogram:
         return {"buckets": buckets, "sum": self.sum, "count": self.count}
 
 
+def raise_nofile_limit() -> int:
+    """Raise the soft descriptor limit to the hard one (libzmq aborts when accept() meets EMFILE)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = MAX_NOFILE if hard == resource.RLIM_INFINITY else min(hard, MAX_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return soft if soft != resource.RLIM_INFINITY else MAX_NOFILE
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        return want
+    except (ValueError, OSError) as e:
+        log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, want, e)
+        return soft
+
+
 @dataclass(eq=False)
 class _Ring:
     reader: RingReader
     instance: str
+    dir_fd: int
     alive: bool = True
     gone: bool = False  # writer_gone reported
     checked: float = 0.0
+    pidfd: int | None = None
+    exited_at_cursor: int | None = None  # where the ring was when its writer's pidfd said it exited
 
     @property
     def path(self) -> str:
         return self.reader.path
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.instance, self.reader.name)
 
 
 @dataclass(eq=False)
@@ -103,6 +151,7 @@ class _Sub:
     frames: Frames | None = None  # the encoded message at `index`, kept across a refused send
     final: Frames | None = None  # an error to send, after which the subscription ends
     final_deadline: float = 0.0
+    pending: bool = False  # waiting for its name to appear
 
     @property
     def key(self) -> tuple[bytes, int]:
@@ -117,9 +166,17 @@ class _Counters:
     delivered_bytes: int = 0
     subscribers_total: int = 0
     subscribers_too_slow: int = 0
+    subscriptions_refused: int = 0
+    subscriptions_dropped_peer_gone: int = 0
     bad_requests: int = 0
-    corrupt_rings_skipped: int = 0
     doorbell_wakeups: int = 0
+    rings_refused: int = 0
+    rings_broken: int = 0
+    rejected_records: int = 0  # also counts those of rings no longer read
+    corrupt_records: int = 0
+    writers_exited: int = 0
+    reassembly_errors: int = 0
+    captures_cut: int = 0
     by_type: dict[str, int] = field(default_factory=dict)
 
 
@@ -140,20 +197,32 @@ class Daemon:
         self._stop_reason = "daemon stopping"
         self._lock = threading.RLock()
         self._sock: zmq.Socket | None = None
+        self._peers: Peers | None = None
         self._started_at = time.time()
-        self._rings: dict[str, _Ring] = {}
+        self._rings: dict[tuple[str, str], _Ring] = {}
         self._order: list[_Ring] = []  # engine rings first: BEGINs are then usually read before their data
-        self._rejected: dict[str, int] = {}  # path -> inode of a file that is not a readable ring
+        self._by_pidfd: dict[int, _Ring] = {}
+        self._broken: list[dict[str, Any]] = []  # rings dropped because they changed under the daemon (last 100)
+        self._dir = RingDirectory(config.shm_dir)
         self._reasm: dict[str, Reassembler] = {}
         self.store = Store(config.retain_bytes, config.retain_ttl_s)
         self._subs: dict[tuple[bytes, int], _Sub] = {}
+        self._by_conn: dict[bytes, set[_Sub]] = {}  # routing id -> its subscriptions
         self._by_key: dict[tuple[str, str], set[_Sub]] = {}
-        self._pending: set[_Sub] = set()
+        self._pending: dict[str, set[_Sub]] = {}  # name -> subscriptions waiting for it
+        self._n_pending = 0
+        self._deadlines: list[tuple[float, int, _Sub]] = []  # heap of pending subscriptions' deadlines
+        self._seq = itertools.count()
         self._active: set[_Sub] = set()  # subscriptions with something to send
         self._latency = Histogram()
         self.counters = _Counters()
-        self._last_scan = self._last_tick = -1e9
+        self._last_discovery = self._last_tick = self._last_probe = self._last_liveness = -1e9
+        self._fd_events = select.poll()
+        self._fd_due = False
         self._doorbell: Doorbell | None = None  # writers wake us through it; bound once shm_dir exists
+        self.nofile = 0
+        self._refusal_logs = LOG_FIRST
+        self._closed_ring_counts = (0, 0)  # rejected, corrupt of rings no longer read
 
     # -- control --
 
@@ -164,6 +233,7 @@ class Daemon:
         self._stopping = True
 
     def run(self) -> None:
+        self.nofile = raise_nofile_limit()
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         try:
@@ -172,15 +242,21 @@ class Daemon:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             sock.setsockopt(zmq.SNDHWM, SNDHWM)
             sock.setsockopt(zmq.LINGER, 0)
+            # A larger frame closes the connection as it arrives, before libzmq allocates for it.
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             _prepare_endpoint(self.endpoint, ctx)
+            self._peers = Peers(ctx, sock, self.endpoint, max_connections=self.config.max_connections,
+                                max_per_peer=self.config.max_connections_per_peer, fd_limit=self.nofile)
             try:
                 sock.bind(self.endpoint)
             except zmq.ZMQError as e:
                 raise DaemonError(f"cannot listen on {self.endpoint}: {e}") from None
             self._sock = sock
             with self._lock:
-                self._scan(time.monotonic())
-            log.info("serving %s; watching %s (%d rings)", self.endpoint, self.config.shm_dir, len(self._rings))
+                self._discover(time.monotonic())
+            log.info("serving %s; watching %s (%d rings, %s; descriptor limit %d)", self.endpoint,
+                     self.config.shm_dir, len(self._rings), "inotify" if self._dir.fileno() is not None else "scanning",
+                     self.nofile)
             if self._on_ready is not None:
                 self._on_ready()
             self._loop()
@@ -191,6 +267,9 @@ class Daemon:
                         self._shutdown()
             finally:
                 self._sock = None
+                if self._peers is not None:
+                    self._peers.close()
+                    self._peers = None
                 sock.close(linger=0)
                 ctx.term()
         log.info("stopped: %s", self._stop_reason)
@@ -202,6 +281,10 @@ class Daemon:
         interval = max(self.config.poll_interval_s, 0.0)
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        if self._peers is not None:
+            for s in self._peers.sockets():
+                poller.register(s, zmq.POLLIN)
+        watched: set[int] = set()
         polled_bell = None
         while not self._stopping:
             with self._lock:
@@ -213,6 +296,15 @@ class Daemon:
             if busy:
                 idle_since = now
                 continue
+            # Descriptors that wake the loop besides the socket: inotify, and one pidfd per writer.
+            want = set(self._by_pidfd)
+            if self._dir.fileno() is not None:
+                want.add(self._dir.fileno())
+            for fd in watched - want:
+                poller.unregister(fd)
+            for fd in want - watched:
+                poller.register(fd, zmq.POLLIN)
+            watched = want
             bell = self._doorbell
             if bell is not None:
                 # Writers ring after every commit: wait for that or a request. The timer is only a
@@ -223,6 +315,8 @@ class Daemon:
                 woke = dict(poller.poll(timeout=max(interval, IDLE_SLEEP_S) * 1000))
                 if bell.fileno() in woke:
                     self.counters.doorbell_wakeups += bell.drain()
+                if any(fd in woke for fd in watched):
+                    self._fd_due = True
                 continue
             sleep = interval if now - idle_since < IDLE_AFTER_S else max(interval, IDLE_SLEEP_S)
             # No doorbell (no shm directory yet): poll the rings. zmq's poll counts whole
@@ -232,21 +326,34 @@ class Daemon:
             if sleep < 0.001:
                 time.sleep(sleep)
             else:
-                self._sock.poll(timeout=round(sleep * 1000), flags=zmq.POLLIN)
+                woke = dict(poller.poll(timeout=round(sleep * 1000)))
+                if any(fd in woke for fd in watched):
+                    self._fd_due = True
 
     def _step(self, now: float) -> bool:
-        if now - self._last_scan >= SCAN_INTERVAL_S:
-            self._last_scan = now
-            self._scan(now)
-        busy = self._read_rings()
+        busy = self._peers.pump() if self._peers is not None else False
+        tick = now - self._last_tick >= TICK_INTERVAL_S
+        if self._fd_due or tick:
+            self._fd_due = False
+            self._check_fds(now)
+        if now - self._last_discovery >= DISCOVERY_INTERVAL_S:
+            self._last_discovery = now
+            self._discover(now)
+        busy |= self._read_rings()
         busy |= self._recv(now)
-        if now - self._last_tick >= TICK_INTERVAL_S:
+        if tick:
             self._last_tick = now
             for reasm in self._reasm.values():
                 self._dispatch(reasm.tick(now), now)
+            self._shed(now)
             self.store.evict(now)
-            for sub in [s for s in self._pending if now >= s.deadline]:
-                self._not_found(sub)
+            self._expire_pending(now)
+            if now - self._last_liveness >= LIVENESS_INTERVAL_S:
+                self._last_liveness = now
+                self._check_rings(now)
+            if now - self._last_probe >= PROBE_INTERVAL_S:
+                self._last_probe = now
+                self._probe_peers()
         busy |= self._send_all()
         return busy
 
@@ -258,90 +365,237 @@ class Daemon:
             r = self._reasm[instance] = Reassembler(instance, end_grace_s=self.config.end_grace_s)
         return r
 
-    def _scan(self, now: float) -> None:
-        for path, ring in list(self._rings.items()):
-            if ring.reader.replaced():
-                # The writer restarted (new file, new epoch) or the file went: finish the old
-                # mapping first, it may hold records committed before the writer went away.
-                self._drain(ring)
-                self._reassembler(ring.instance).writer_gone(ring.reader.name, now)
-                log.info("ring %s replaced or removed (epoch %d done)", path, ring.reader.epoch)
-                ring.reader.close()
-                del self._rings[path]
-            elif now - ring.checked >= LIVENESS_INTERVAL_S:
-                ring.checked = now
-                self._check_alive(ring, now)
+    def _discover(self, now: float) -> None:
         if self._doorbell is None:
             self._doorbell = Doorbell.bind(self.config.shm_dir)
-        try:
-            instances = [e for e in os.scandir(self.config.shm_dir) if e.is_dir() and not e.name.startswith(".")]
-        except (FileNotFoundError, NotADirectoryError, PermissionError):
-            instances = []
-        for inst in instances:
-            try:
-                files = [f for f in os.scandir(inst.path) if f.name.endswith(rf.RING_SUFFIX)]
-            except OSError:
-                continue
-            for f in files:
-                if f.path not in self._rings:
-                    self._open(f.path, inst.name, now)
-        self._order = sorted(self._rings.values(), key=lambda r: (r.reader.rank != rf.ENGINE_RANK, r.instance, r.reader.rank))
+        for c in self._dir.step(now, DISCOVERY_WALK, DISCOVERY_OPENS):
+            self._open(c, now)
+        if self._dir.changed:
+            changed, self._dir.changed = self._dir.changed, set()
+            for key in changed:
+                ring = self._rings.get(key)
+                if ring is not None and ring.reader.replaced(ring.dir_fd):
+                    self._retire(ring, now, "replaced or removed")
 
-    def _open(self, path: str, instance: str, now: float) -> None:
+    def _open(self, c: Candidate, now: float) -> None:
+        old = self._rings.get(c.key)
+        if old is not None:
+            if not old.reader.replaced(old.dir_fd):
+                return
+            self._retire(old, now, "replaced")
+        path = os.path.join(self.config.shm_dir, c.instance, c.name)
         try:
-            inode = os.stat(path).st_ino
-        except OSError:
-            return
-        if self._rejected.get(path) == inode:
-            return
-        try:
-            reader = RingReader(path)
+            reader = RingReader(path, dir_fd=c.dir_fd, name=c.name)
         except (RingFormatError, OSError, ValueError) as e:
-            self._rejected[path] = inode
-            log.warning("ignoring %s: %s", path, e)
+            inode = c.inode
+            if inode is None:
+                try:
+                    inode = os.stat(c.name, dir_fd=c.dir_fd, follow_symlinks=False).st_ino
+                except OSError:
+                    inode = None
+            self._dir.reject(c, inode)
+            self.counters.rings_refused += 1
+            if self._refusal_logs > 0:
+                self._refusal_logs -= 1
+                log.warning("ignoring %s: %s%s", path, e, "" if self._refusal_logs else
+                            " (further refused files are only counted: `vllm-tap status`)")
             return
-        self._rejected.pop(path, None)
-        ring = self._rings[path] = _Ring(reader, instance, checked=now)
-        self._check_alive(ring, now)
-        log.info("reading ring %s (instance %s, rank %d, writer pid %d, epoch %d)",
-                 path, instance, reader.rank, reader.writer_pid, reader.epoch)
+        ring = self._rings[c.key] = _Ring(reader, c.instance, c.dir_fd, checked=now)
+        if reader.resumed:
+            self._reassembler(c.instance).resumed_ring(reader.name)
+        self._watch_writer(ring, now)
+        self._order = sorted(self._rings.values(),
+                             key=lambda r: (r.reader.rank != rf.ENGINE_RANK, r.instance, r.reader.rank))
+        log.info("reading ring %s (instance %s, rank %d, writer pid %d, epoch %d%s)", path, c.instance,
+                 reader.rank, reader.writer_pid, reader.epoch, ", resuming a previous reader's cursor" if reader.resumed else "")
+
+    def _watch_writer(self, ring: _Ring, now: float) -> None:
+        """A pidfd for the writer where its pid is visible here; else kill(pid, 0) every second."""
+        try:
+            fd = os.pidfd_open(ring.reader.writer_pid)
+        except (OSError, AttributeError):
+            self._check_alive(ring, now)
+            return
+        ring.pidfd = fd
+        self._by_pidfd[fd] = ring
+        self._fd_events.register(fd, select.POLLIN)
+        self._check_fds(now)
+
+    def _unwatch_writer(self, ring: _Ring) -> None:
+        if ring.pidfd is not None:
+            self._by_pidfd.pop(ring.pidfd, None)
+            try:
+                self._fd_events.unregister(ring.pidfd)
+            except KeyError:
+                pass
+            os.close(ring.pidfd)
+            ring.pidfd = None
+
+    def _check_fds(self, now: float) -> None:
+        """pidfds of writers that exited (and inotify, which discovery reads itself)."""
+        if not self._by_pidfd:
+            return
+        for fd, _ in self._fd_events.poll(0):
+            ring = self._by_pidfd.get(fd)
+            if ring is not None:
+                self._writer_exited(ring, now)
+
+    def _writer_exited(self, ring: _Ring, now: float) -> None:
+        self._unwatch_writer(ring)
+        self._drain(ring)  # what it committed before it died still counts
+        if ring.key not in self._rings:
+            return
+        self.counters.writers_exited += 1
+        try:
+            ring.exited_at_cursor = ring.reader.write_cursor()
+        except (RingBroken, OSError):
+            ring.exited_at_cursor = None
+        ring.alive = False
+        if not ring.gone:
+            ring.gone = True
+            log.info("writer %d of %s exited", ring.reader.writer_pid, ring.path)
+            self._reassembler(ring.instance).writer_gone(ring.reader.name, now)
+
+    def _check_rings(self, now: float) -> None:
+        for ring in list(self._rings.values()):
+            if ring.reader.replaced(ring.dir_fd):
+                self._retire(ring, now, "replaced or removed")
+                continue
+            try:
+                ring.reader.check()
+            except (RingBroken, OSError) as e:
+                self._break(ring, now, str(e))
+                continue
+            if ring.pidfd is None and ring.exited_at_cursor is None:
+                self._check_alive(ring, now)
+            elif ring.exited_at_cursor is not None:
+                self._written_after_exit(ring)
+
+    def _written_after_exit(self, ring: _Ring) -> None:
+        """A ring still written after its writer's pid exited: the pid was another process (the writer
+        lives in another pid namespace). Fall back to kill(pid, 0) and recent writes."""
+        try:
+            w = ring.reader.write_cursor()
+        except (RingBroken, OSError):
+            return
+        if ring.exited_at_cursor is not None and w > ring.exited_at_cursor:
+            log.warning("ring %s is still written after pid %d exited: its writer is in another pid namespace? "
+                        "Run the daemon in vLLM's.", ring.path, ring.reader.writer_pid)
+            ring.exited_at_cursor = None
+            ring.gone = False
+            ring.alive = True
 
     def _check_alive(self, ring: _Ring, now: float) -> None:
         alive = ring.reader.writer_alive()
         if not alive:
-            last = ring.reader.info().stats["last_write_ns"]
+            try:
+                last = ring.reader.info().stats["last_write_ns"]
+            except (RingBroken, OSError):
+                last = 0
             alive = last > 0 and time.time_ns() - last < RECENT_WRITE_NS
         ring.alive = alive
         if not alive and not ring.gone:
             ring.gone = True
             log.info("writer %d of %s is gone", ring.reader.writer_pid, ring.path)
+            self._drain(ring)
             self._reassembler(ring.instance).writer_gone(ring.reader.name, now)
         elif alive:
             ring.gone = False
 
+    def _retire(self, ring: _Ring, now: float, why: str) -> None:
+        """The path names another file now (the writer restarted) or none: finish the old one first,
+        it may hold records committed before the writer went away."""
+        self._drain(ring)
+        self._close_ring(ring)
+        self._reassembler(ring.instance).writer_gone(ring.reader.name, now)
+        log.info("ring %s %s (epoch %d done)", ring.path, why, ring.reader.epoch)
+
+    def _break(self, ring: _Ring, now: float, why: str) -> None:
+        """The file changed under us: stop reading it at once, say so, end its captures."""
+        self.counters.rings_broken += 1
+        log.error("ring %s: %s; no longer read (its captures end)", ring.path, why)
+        self._broken.append({"path": ring.path, "instance": ring.instance, "why": why, "at": time.time()})
+        del self._broken[:-100]
+        self._close_ring(ring)
+        self._reassembler(ring.instance).writer_gone(ring.reader.name, now, RING_BROKEN)
+        self._dir.reject(Candidate(ring.instance, ring.reader.name, ring.dir_fd, None), ring.reader.inode)
+
+    def _close_ring(self, ring: _Ring) -> None:
+        if self._rings.get(ring.key) is ring:
+            del self._rings[ring.key]
+        self._unwatch_writer(ring)
+        r, c = self._closed_ring_counts
+        self._closed_ring_counts = (r + ring.reader.rejected, c + ring.reader.corrupt)
+        ring.reader.close()
+        self._order = [x for x in self._order if x is not ring]
+
     def _poll_ring(self, ring: _Ring) -> int:
-        recs = ring.reader.poll(max_bytes=READ_BUDGET_BYTES)
-        if not recs:
+        try:
+            recs = ring.reader.poll(max_bytes=READ_BUDGET_BYTES)
+        except (RingBroken, OSError) as e:
+            self._break(ring, time.monotonic(), str(e))
             return 0
-        now = time.monotonic()  # the read time: delivery latency is measured from here
         reasm = self._reassembler(ring.instance)
+        now = time.monotonic()  # the read time: delivery latency is measured from here
+        rejections = ring.reader.rejections
+        n = len(recs) + len(rejections)
         c = self.counters
-        for rec in recs:
+        for i, rec in enumerate(recs):
+            while rejections and rejections[0].index <= i:  # in the order they were read
+                self._rejected(reasm, rejections.popleft(), now)
             c.records_in += 1
             if rec.data is not None:
                 c.payload_bytes_in += rec.data.nbytes
-            self._dispatch(reasm.feed(rec, now), now)
-        return len(recs)
+            try:
+                events = reasm.feed(rec, now)
+            except Exception:  # a bug here must cost one record, not the daemon and everyone's captures
+                c.reassembly_errors += 1
+                if c.reassembly_errors <= LOG_FIRST:
+                    log.exception("record of request %s from %s could not be reassembled", rec.request_id, ring.path)
+                continue
+            self._dispatch(events, now)
+        while rejections:
+            self._rejected(reasm, rejections.popleft(), now)
+        return n
+
+    def _rejected(self, reasm: Reassembler, rej: Any, now: float) -> None:
+        if rej.request_ids:
+            self._dispatch(reasm.reject(rej.request_ids, rej.why, now), now)
 
     def _read_rings(self) -> bool:
         got = 0
-        for ring in self._order:
+        for ring in list(self._order):
             got += self._poll_ring(ring)
         return got > 0
 
     def _drain(self, ring: _Ring) -> None:
-        while self._poll_ring(ring):
+        while ring.key in self._rings and self._poll_ring(ring):
             pass
+
+    # -- memory --
+
+    def inflight_bytes(self) -> int:
+        return sum(r.held_bytes for r in self._reasm.values()) + self.store.inflight_bytes
+
+    def _shed(self, now: float) -> None:
+        """Keep captures in flight inside inflight_bytes: cut the biggest until they fit."""
+        over = self.inflight_bytes() - self.config.inflight_bytes
+        if over <= 0:
+            return
+        sizes = []
+        for inst, reasm in self._reasm.items():
+            for rid, held in reasm.request_bytes():
+                sizes.append((held + self.store.history_bytes((inst, rid)), inst, rid))
+        sizes.sort(reverse=True)
+        for size, inst, rid in sizes:
+            if over <= 0:
+                break
+            reason = f"{OVER_BUDGET}: captures in flight held more than inflight_bytes={self.config.inflight_bytes}"
+            log.warning("capture %s/%s cut (%d bytes): %s", inst, rid, size, reason)
+            self.counters.captures_cut += 1
+            self._dispatch(self._reasm[inst].cut(rid, now, reason), now)
+            self.store.shed((inst, rid), reason)
+            over -= size
 
     # -- events to subscribers --
 
@@ -356,9 +610,40 @@ class Daemon:
             self._active.update(self._by_key.get(entry.key, ()))
 
     def _resolve_pending(self, entry: Entry, now: float) -> None:
-        for sub in [s for s in self._pending if s.req.name in entry.names]:
-            self._pending.discard(sub)
-            self._resolve(sub, now)
+        for name in entry.names:
+            waiting = self._pending.get(name)
+            if not waiting:
+                continue
+            for sub in list(waiting):
+                self._unpend(sub)
+                self._resolve(sub, now)
+
+    def _pend(self, sub: _Sub) -> None:
+        sub.pending = True
+        self._pending.setdefault(sub.req.name, set()).add(sub)
+        self._n_pending += 1
+        heapq.heappush(self._deadlines, (sub.deadline, next(self._seq), sub))
+
+    def _unpend(self, sub: _Sub) -> None:
+        if not sub.pending:
+            return
+        sub.pending = False
+        self._n_pending -= 1
+        waiting = self._pending.get(sub.req.name)
+        if waiting is not None:
+            waiting.discard(sub)
+            if not waiting:
+                del self._pending[sub.req.name]
+
+    def _expire_pending(self, now: float) -> None:
+        d = self._deadlines
+        while d and d[0][0] <= now:
+            deadline, _, sub = heapq.heappop(d)
+            if sub.pending and sub.deadline == deadline:
+                self._not_found(sub)
+        if len(d) > 4 * max(self._n_pending, 1024):  # replaced or resolved subscriptions left behind
+            self._deadlines = [x for x in d if x[2].pending and x[2].deadline == x[0]]
+            heapq.heapify(self._deadlines)
 
     def _resolve(self, sub: _Sub, now: float) -> None:
         r = sub.req
@@ -371,7 +656,7 @@ class Daemon:
             if now >= sub.deadline:
                 self._not_found(sub)
             else:
-                self._pending.add(sub)
+                self._pend(sub)
             return
         sub.entry = entry
         sub.index = 0
@@ -388,7 +673,7 @@ class Daemon:
 
     def _fail(self, sub: _Sub, code: str, message: str, flush_s: float = 1.0) -> None:
         """End a subscription with an error message (sent as soon as the socket takes it)."""
-        self._pending.discard(sub)
+        self._unpend(sub)
         self._detach(sub)
         sub.frames = None
         sub.final = wf.error_frames(code, message, sub.req.id)
@@ -402,10 +687,19 @@ class Daemon:
         self._fail(sub, wf.E_TOO_SLOW, f"too slow: more than {self.config.subscriber_queue} messages behind",
                    TOO_SLOW_FLUSH_S)
 
+    def _add(self, sub: _Sub) -> None:
+        self._subs[sub.key] = sub
+        self._by_conn.setdefault(sub.envelope[0], set()).add(sub)
+
     def _remove(self, sub: _Sub) -> None:
         if self._subs.get(sub.key) is sub:
             del self._subs[sub.key]
-        self._pending.discard(sub)
+        conn = self._by_conn.get(sub.envelope[0])
+        if conn is not None:
+            conn.discard(sub)
+            if not conn:
+                del self._by_conn[sub.envelope[0]]
+        self._unpend(sub)
         self._active.discard(sub)
         self._detach(sub)
 
@@ -418,6 +712,29 @@ class Daemon:
                 if not subs:
                     del self._by_key[sub.entry.key]
             sub.entry = None
+
+    def _peer_gone(self, routing_id: bytes) -> None:
+        subs = self._by_conn.get(routing_id, ())
+        self.counters.subscriptions_dropped_peer_gone += len(subs)
+        for sub in list(subs):
+            self._remove(sub)
+
+    def _probe_peers(self) -> None:
+        """Connections that hold subscriptions but went away silently (a waiting subscription gets no
+        sends that would notice): a one-frame ping each, which clients ignore."""
+        assert self._sock is not None
+        ping = wf.pack(wf.PING, None)
+        for rid, subs in list(self._by_conn.items()):
+            sub = next(iter(subs), None)
+            if sub is None or len(sub.envelope) != 1:
+                continue  # REQ peers take only replies
+            try:
+                self._sock.send_multipart([rid, ping], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # there, just busy
+            except zmq.ZMQError as e:
+                if e.errno == errno.EHOSTUNREACH:
+                    self._peer_gone(rid)
 
     def _send(self, envelope: list[bytes], frames: Frames) -> bool | None:
         """True if sent, False if the peer's queue is full now, None if the peer is gone."""
@@ -458,7 +775,7 @@ class Daemon:
             ok = self._send(sub.envelope, sub.frames)
             if ok is None:
                 log.debug("subscriber %s went away", sub.envelope[0].hex())
-                self._remove(sub)
+                self._peer_gone(sub.envelope[0])
                 return sent > 0
             if not ok:
                 # The socket holds SNDHWM messages for this peer and refused another: what is
@@ -519,11 +836,25 @@ class Daemon:
                 if old is not None:
                     self._remove(old)
                 else:
+                    why = self._over_limit(envelope[0])
+                    if why:
+                        self.counters.subscriptions_refused += 1
+                        self._reply(envelope, wf.error_frames(wf.E_LIMIT, why, req.id))
+                        continue
                     self.counters.subscribers_total += 1
                 sub = _Sub(envelope, req, deadline=now + req.timeout)
-                self._subs[sub.key] = sub
+                self._add(sub)
                 self._resolve(sub, now)
         return got
+
+    def _over_limit(self, routing_id: bytes) -> str:
+        cfg = self.config
+        if len(self._by_conn.get(routing_id, ())) >= cfg.max_subscriptions_per_connection:
+            return (f"this connection already has {cfg.max_subscriptions_per_connection} subscriptions "
+                    "(max_subscriptions_per_connection)")
+        if len(self._subs) >= cfg.max_subscriptions:
+            return f"the daemon already serves {cfg.max_subscriptions} subscriptions (max_subscriptions)"
+        return ""
 
     # -- shutdown --
 
@@ -536,10 +867,10 @@ class Daemon:
             self._send_all()
             if self._active:
                 time.sleep(0.005)
-        for ring in self._rings.values():
-            ring.reader.close()  # read cursors live in the files and are current after every poll
-        self._rings.clear()
+        for ring in list(self._rings.values()):
+            self._close_ring(ring)  # read cursors live in the files and are current after every poll
         self._order = []
+        self._dir.close()
         if self._doorbell is not None:
             self._doorbell.close()
             self._doorbell = None
@@ -553,16 +884,23 @@ class Daemon:
     def _snapshot(self) -> dict[str, Any]:
         rings = []
         dropped_records = dropped_bytes = 0
+        rejected, corrupt = self._closed_ring_counts
         for ring in self._order:
-            info = ring.reader.info()
+            try:
+                info = ring.reader.info()
+            except (RingBroken, OSError):
+                continue  # dropped at its next poll
             dropped_records += info.stats["records_dropped"]
             dropped_bytes += info.stats["bytes_dropped"]
+            rejected += ring.reader.rejected
+            corrupt += ring.reader.corrupt
             rings.append({
                 "path": ring.path, "instance": ring.instance, "name": ring.reader.name, "rank": info.rank,
                 "world_size": info.world_size, "writer_pid": info.writer_pid, "alive": ring.alive,
+                "writer_watch": "pidfd" if ring.pidfd is not None else "poll",
                 "epoch": info.epoch, "capacity": info.capacity, "pending_bytes": info.backlog_bytes,
                 "read_cursor": info.read_cursor, "write_cursor": info.write_cursor, "corrupt": ring.reader.corrupt,
-                "writer": dict(info.stats),
+                "rejected": ring.reader.rejected, "writer": dict(info.stats),
             })
         reasm_stats: dict[str, int] = {}
         requests: list[dict[str, Any]] = []
@@ -571,6 +909,7 @@ class Daemon:
                 reasm_stats[k] = reasm_stats.get(k, 0) + v
             requests.extend(r.requests())
         c = self.counters
+        p = self._peers
         return {
             "pid": os.getpid(),
             "wire_version": wf.WIRE_VERSION,
@@ -580,9 +919,19 @@ class Daemon:
             # Writers wake the daemon through it; null: it polls the rings on a timer.
             "doorbell": self._doorbell.path if self._doorbell is not None else None,
             "doorbell_wakeups": c.doorbell_wakeups,
+            "discovery": "inotify" if self._dir.watching else "scan",
             "rings": rings,
+            "rings_refused": c.rings_refused,
+            "rings_broken": c.rings_broken,
+            "broken_rings": list(self._broken[-10:]),
+            "rejected_records": rejected,
+            "corrupt_records": corrupt,
+            "writers_exited": c.writers_exited,
             "requests_in_flight": sum(r.in_flight() for r in self._reasm.values()),
             "requests": requests[:100],
+            "inflight_bytes": self.inflight_bytes(),
+            "inflight_budget": self.config.inflight_bytes,
+            "captures_cut": c.captures_cut,
             "retained_requests": self.store.retained,
             "retained_bytes": self.store.retained_bytes,
             "evicted_requests": self.store.evictions,
@@ -591,10 +940,16 @@ class Daemon:
             "drops": {"records": dropped_records, "bytes": dropped_bytes,
                       "missing_positions": reasm_stats.get("missing_positions", 0)},
             "reassembly": reasm_stats,
+            "reassembly_errors": c.reassembly_errors,
             "subscribers": len(self._subs),
-            "subscribers_waiting": len(self._pending),
+            "subscribers_waiting": self._n_pending,
             "subscribers_total": c.subscribers_total,
             "subscribers_too_slow": c.subscribers_too_slow,
+            "subscriptions_refused": c.subscriptions_refused,
+            "subscriptions_dropped_peer_gone": c.subscriptions_dropped_peer_gone,
+            "connections": {"open": p.total if p else 0, "accepted": p.accepted if p else 0,
+                            "refused": p.refused if p else 0, "peers": p.peers if p else 0,
+                            "accept_paused": bool(p and p.paused), "descriptor_limit": self.nofile},
             "delivered_messages": c.delivered_messages,
             "delivered_bytes": c.delivered_bytes,
             "bad_requests": c.bad_requests,

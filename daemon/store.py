@@ -3,7 +3,8 @@
 A capture's history is the list of its events from Begin to End. Subscribers read it by index, so
 live delivery and replay are the same loop and nothing is queued twice. Finished captures stay
 for late subscribers within a byte budget and a TTL, least recently used first out; in-flight ones
-are never evicted. Every name a user may know a capture by (identity.names) points at it.
+are never evicted, but their bytes are counted (`inflight_bytes`) so the daemon can keep them
+inside its own budget (shed: their data becomes gaps saying why). Every name a user may know a capture by (identity.names) points at it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 from vllm_tap import wire_format as wf
 from vllm_tap.identity import identify
-from vllm_tap.daemon.reassembly import Begin, End, Event, Tokens
+from vllm_tap.daemon.reassembly import Begin, End, Event, Gap, Tokens
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class Store:
         self._tombstones = tombstones
         self._serial = 0
         self.retained_bytes = 0
+        self.inflight_bytes = 0  # histories of captures not ended yet
         self.evictions = 0
 
     # -- stats --
@@ -87,6 +89,25 @@ class Store:
     def get(self, key: Key) -> Entry | None:
         return self._entries.get(key)
 
+    def history_bytes(self, key: Key) -> int:
+        e = self._entries.get(key)
+        return e.nbytes if e is not None and e.end is None else 0
+
+    def shed(self, key: Key, reason: str) -> int:
+        """Replace the data of a capture in flight by gaps saying why (subscribers that already got it
+        keep it; later ones get the gap); returns the bytes freed."""
+        e = self._entries.get(key)
+        if e is None or e.end is not None:
+            return 0
+        freed = 0
+        for i, ev in enumerate(e.history):
+            if isinstance(ev, Tokens):
+                e.history[i] = Gap(ev.instance, ev.request_id, range(ev.start, ev.stop), reason, ev.at)
+                freed += ev.nbytes
+        e.nbytes -= freed
+        self.inflight_bytes -= freed
+        return freed
+
     # -- events --
 
     def add(self, ev: Event, now: float) -> Entry | None:
@@ -99,10 +120,12 @@ class Store:
         size = (ev.nbytes if isinstance(ev, Tokens) else 0) + _EVENT_OVERHEAD
         e.history.append(ev)
         e.nbytes += size
+        self.inflight_bytes += size
         if isinstance(ev, End):
             e.end = ev
             e.finished_at = now
             self._finished[ev.key] = None
+            self.inflight_bytes -= e.nbytes
             self.retained_bytes += e.nbytes
         return e
 
@@ -119,6 +142,7 @@ class Store:
             self._drop(e, "replaced by a new capture with the same request id")
         self._serial += 1
         e = Entry(ev.key, self._serial, ev, "", 0, (), [ev], _EVENT_OVERHEAD)
+        self.inflight_bytes += _EVENT_OVERHEAD
         self._entries[ev.key] = e
         self._identify(e)
         return e
@@ -143,6 +167,8 @@ class Store:
         if e.key in self._finished:
             del self._finished[e.key]
             self.retained_bytes -= e.nbytes
+        elif e.end is None:
+            self.inflight_bytes -= e.nbytes
         for name in e.names:
             self._evicted.setdefault(name, []).append(_Tombstone(e.key, e.choice_index, why))
             self._evicted.move_to_end(name)

@@ -24,11 +24,6 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)  # tests import synthetic_writer
 
-# DaemonConfig field -> `vllm-tap daemon` flag.
-DAEMON_FLAGS = {
-    "retain_bytes": "--retain-bytes", "retain_ttl_s": "--retain-ttl", "end_grace_s": "--end-grace",
-    "poll_interval_s": "--poll-interval", "subscriber_queue": "--subscriber-queue", "log_level": "--log-level",
-}
 
 
 @pytest.fixture
@@ -54,17 +49,31 @@ class DaemonProcess:
     endpoint: str
     log_path: str
     settings: dict = field(default_factory=dict)
+    rlimits: dict = field(default_factory=dict)  # resource name ("RLIMIT_NOFILE") -> soft limit or (soft, hard)
     proc: subprocess.Popen | None = None
 
     def argv(self) -> list[str]:
         argv = [sys.executable, "-m", "vllm_tap.cli", "daemon", "--shm-dir", self.shm_dir, "--endpoint", self.endpoint]
+        from vllm_tap.daemon.config_load import flag_name
+
         for k, v in self.settings.items():
-            argv += [DAEMON_FLAGS[k], str(v)]
+            argv += [flag_name(k), str(v)]
         return argv
 
     def start(self, wait: bool = True) -> "DaemonProcess":
+        import ctypes
+        import resource
+
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=log)
+        limits = {getattr(resource, k): v for k, v in self.rlimits.items()}
+        libc = ctypes.CDLL(None, use_errno=True)
+
+        def preexec() -> None:
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no daemon outlives a killed test run
+            for which, value in limits.items():  # a soft limit alone keeps the hard one, as under systemd
+                resource.setrlimit(which, value if isinstance(value, tuple) else (value, resource.getrlimit(which)[1]))
+
+        self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=log, preexec_fn=preexec)
         log.close()
         if wait:
             self.wait_ready()
@@ -127,10 +136,10 @@ def daemon_factory(shm_dir, sock_dir):
     """Start daemons on this test's shm dir: daemon_factory(**DaemonConfig fields) -> DaemonProcess."""
     made: list[DaemonProcess] = []
 
-    def make(*, start: bool = True, endpoint: str | None = None, **settings) -> DaemonProcess:
+    def make(*, start: bool = True, endpoint: str | None = None, rlimits: dict | None = None, **settings) -> DaemonProcess:
         settings.setdefault("log_level", "INFO")
         d = DaemonProcess(shm_dir, endpoint or f"ipc://{sock_dir}/d{len(made)}.sock",
-                          os.path.join(sock_dir, f"daemon{len(made)}.log"), settings)
+                          os.path.join(sock_dir, f"daemon{len(made)}.log"), settings, dict(rlimits or {}))
         made.append(d)
         return d.start() if start else d
 

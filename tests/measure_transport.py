@@ -77,7 +77,9 @@ def _write_request(shm: str, n: int, block: bool, pace_s: float = 0.0, width: in
     data = np.ones((1, width), np.float32)
     if pace_s:
         time.sleep(0.5)  # let the daemon discover the new rings (it rescans every 0.25 s)
-    eng.write_control(rf.RecordKind.BEGIN, "bench", {"spec": CaptureSpec().to_meta(), "num_prompt_tokens": 1, "n": 1})
+    # A writer without a scheduler never computes past an end: say so, nothing is held back.
+    eng.write_control(rf.RecordKind.BEGIN, "bench", {"spec": CaptureSpec().to_meta(), "num_prompt_tokens": 1, "n": 1,
+                                                     "async_scheduling": False})
     for k in range(n):
         data.view(np.float64)[0, 0] = time.time()
         assert w.write("bench", LOGITS, [k], [k], data, step=k, num_prompt_tokens=1)

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from vllm_tap import ring_format as rf
-from vllm_tap.records import TensorId
+from vllm_tap.records import RequestRef, RequestTable, TensorId
 from vllm_tap.ring import RingWriter, ring_path
 from vllm_tap.spec import CaptureSpec, LogitsMode
 
@@ -230,27 +230,39 @@ class SyntheticEngine:
         self.step += 1
         return any(not r.ended for r in self.reqs)
 
+    def table(self, i: int, rank_parts: int) -> RequestTable:
+        """Request i's table entry, as the hook writes it: start, tail and source included."""
+        sc = self.sc
+        spec = sc.spec()
+        return RequestTable([RequestRef(
+            sc.request_id(i), spec.key, sc.prompt_len, len([r for r in self.plan if self.plan[r]]), rank_parts,
+            start=-1 if spec.tail else spec.first_position(sc.prompt_len), tail=spec.tail, source=spec.source)])
+
     def write_positions(self, i: int, pos: np.ndarray, ranks: list[int] | None = None, step: int | None = None) -> None:
         sc = self.sc
         ids = np.array([token_id(sc, i, int(p)) for p in pos], np.int32)
         step = self.step if step is None else step
+        rows = np.zeros((3, len(pos)), np.int32)
+        rows[1] = pos
+        rows[2] = ids
         for rank, parts in self.plan.items():
             if rank == sc.skip_rank or (ranks is not None and rank not in ranks):
                 continue
+            table = self.table(i, len(parts))
             for name, tid, s0, s1, full in parts:
                 if name == "topk_ids":
                     data, code = topk_ids(sc, i, pos), rf.DType.INT32
                 else:
                     data, code = storage(sc, values(sc, i, name, pos, full)[:, s0:s1]), self.dtype_code
                 t = time.perf_counter()
-                ok = self.ranks[rank].write(
-                    sc.request_id(i), tid, pos, ids, np.ascontiguousarray(data), dtype=code, step=step,
-                    slice_=(s0, s1), full_dim=full, num_prompt_tokens=sc.prompt_len,
-                    expected_ranks=len([r for r in self.plan if self.plan[r]]), rank_parts=len(parts),
-                )
+                res = self.ranks[rank].reserve_rows(table, rows, tid, dtype=code, width=s1 - s0, slice_=(s0, s1),
+                                                    full_dim=full, step=step)
+                if res is not None:
+                    res.payload[:] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+                    self.ranks[rank].commit(res)
                 self.write_times.append(time.perf_counter() - t)
-                self.dropped += not ok
-                if not ok:
+                self.dropped += res is None
+                if res is None:
                     self.dropped_positions.setdefault(sc.request_id(i), set()).update(pos.tolist())
 
     def end(self, i: int) -> None:
@@ -258,7 +270,13 @@ class SyntheticEngine:
         self.engine.write_control(rf.RecordKind.END, sc.request_id(i), {
             "reason": "length", "num_prompt_tokens": sc.prompt_len, "num_output_tokens": sc.gen_len,
             "output_token_ids": output_token_ids(sc, i), "end_position": sc.end_position,
+            "spec": sc.spec().to_meta(), "source": sc.spec().source,
         })
+
+    def live(self, which: list[int] | None = None) -> None:
+        """A LIVE record: the requests still capturing (default: those not ended)."""
+        idx = which if which is not None else [r.i for r in self.reqs if not r.ended]
+        self.engine.write_control(rf.RecordKind.LIVE, "", {"requests": [self.sc.request_id(i) for i in idx]})
 
     def run(self, step_sleep: float = 0.0) -> None:
         self.begin()
@@ -286,8 +304,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("shm_dir")
     ap.add_argument("scenario", help="Scenario fields as JSON")
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--stop-after", type=int, default=None,
+                    help="write this many steps, say so on stdout, then wait to be killed")
     args = ap.parse_args(argv)
     eng = SyntheticEngine(Scenario.from_json(args.scenario), args.shm_dir)
+    if args.stop_after is not None:
+        eng.begin()
+        for _ in range(args.stop_after):
+            eng.run_step()
+        print(json.dumps({"pid": os.getpid(), "steps": args.stop_after}), flush=True)
+        while True:
+            time.sleep(3600)
     eng.run(args.step_sleep)
     ok = eng.flush()
     eng.close()

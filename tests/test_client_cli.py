@@ -66,6 +66,7 @@ def test_cli_subscribe_prints_a_summary_and_writes_npz(daemon_proc, shm_dir, soc
         assert z["logits"].tobytes() == exp["logits"].tobytes() and z["logits"].dtype == np.float16
         assert z["hidden_1"].tobytes() == exp["hidden.1"].tobytes()
         assert list(z["positions"]) == list(range(sc.end_position)) and z["missing_positions"].size == 0
+        assert z["missing_ranges"].shape == (0, 2)
         assert json.loads(str(z["meta"]))["finish_reason"] == "length"
 
 

@@ -16,6 +16,7 @@ import pytest
 from vllm_tap import ring_format as rf
 from vllm_tap.records import RequestRef, RequestTable, TensorId
 from vllm_tap.ring import RingFormatError, RingReader, RingWriter, read_info, ring_path
+from vllm_tap.spec import CaptureSpec
 
 LOGITS = TensorId(rf.TensorKind.LOGITS)
 HID3 = TensorId(rf.TensorKind.HIDDEN, 3)
@@ -32,14 +33,15 @@ def test_roundtrip_fields_and_bytes(shm_dir):
     w = RingWriter(path, 1 << 16, rank=2, world_size=4)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     r = RingReader(path)
-    w.write_control(rf.RecordKind.BEGIN, "r1", {"spec": {"x": 1}, "num_prompt_tokens": 3}, tap_key="k")
+    spec = CaptureSpec(key="k").to_meta()
+    w.write_control(rf.RecordKind.BEGIN, "r1", {"spec": spec, "num_prompt_tokens": 3}, tap_key="k")
     ok, data = _write(w, "r1", [5, 6], 10, tensor=HID3, step=9, tap_key="k", slice_=(10, 20), full_dim=40,
                       num_prompt_tokens=3, expected_ranks=4, rank_parts=2)
     assert ok
     bf = np.array([[0x3F80, 0xC000]], np.uint16)  # bf16 1.0, -2.0 travel as raw uint16
     assert w.write("r1", LOGITS, [7], [1], bf, dtype=rf.DType.BFLOAT16)
     b, d, e = r.poll()
-    assert b.kind == rf.RecordKind.BEGIN and b.meta["spec"] == {"x": 1} and b.tap_key == "k" and b.rank == 2
+    assert b.kind == rf.RecordKind.BEGIN and b.meta["spec"] == spec and b.spec == CaptureSpec(key="k") and b.tap_key == "k" and b.rank == 2
     assert d.kind == rf.RecordKind.DATA and d.request_id == "r1" and d.tap_key == "k" and d.tensor == HID3
     assert (d.step, d.slice_start, d.slice_stop, d.full_dim, d.num_prompt_tokens, d.expected_ranks, d.rank_parts) == (
         9, 10, 20, 40, 3, 4, 2)
@@ -101,7 +103,9 @@ def test_a_record_naming_a_request_outside_its_table_is_skipped_alone(shm_dir):
         res = w.reserve_rows(table, _rows(slots, [1, 2], [0, 0]), LOGITS, dtype=rf.DType.FLOAT32, width=1)
         w.commit(res)
     (good,) = r.poll()
-    assert list(good.positions) == [1, 2] and r.corrupt == 1
+    assert list(good.positions) == [1, 2] and r.rejected == 1 and r.corrupt == 0
+    (why,) = r.rejections
+    assert why.offset == 0 and "outside the table" in why.why and why.request_ids == ("a",)
     w.close(unlink=True)
     r.close()
 

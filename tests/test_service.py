@@ -494,6 +494,7 @@ def test_units_keep_the_rings_and_the_contract():
         assert settings["RemoveIPC"] == "no" and "DynamicUser" not in settings  # either would delete the rings
         assert settings["User"] == "vllm-tap" and settings["RuntimeDirectory"].startswith("vllm-tap")
         assert settings["ReadWritePaths"].startswith("/dev/shm/vllm-tap")
+        assert int(settings["LimitNOFILE"]) >= 65536  # libzmq aborts when accept() meets EMFILE
 
 
 @pytest.mark.skipif(shutil.which("systemd-sysusers") is None, reason="systemd-sysusers not installed")

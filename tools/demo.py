@@ -129,8 +129,8 @@ class Streamed:
             np.asarray(self.positions, np.int32), np.asarray(self.token_ids, np.int32),
             np.stack(self.logits) if self.logits else None,
             {layer: np.stack(rows) for layer, rows in self.hidden.items()},
-            None, None, None, e.reason, e.num_output_tokens, list(e.output_token_ids), list(e.missing_positions),
-            e.expected,
+            None, None, None, e.reason, e.num_output_tokens, list(e.output_token_ids), e.missing_positions,
+            e.expected, e.source, e.end_position,
         )
 
 

@@ -107,10 +107,11 @@ def subscribe(name: str, index: int | None, instance: str | None, endpoint: str 
         click.echo(f"wrote {out}")
 
 
-def _ranges(ps: list[int]) -> str:
-    from vllm_tap.wire_format import ranges_of
+def _ranges(ps) -> str:
+    from vllm_tap.positions import PositionRanges
 
-    return ",".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in ranges_of(ps))
+    ranges = ps.ranges if isinstance(ps, PositionRanges) else PositionRanges.of(ps).ranges
+    return ",".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in ranges)
 
 
 # -- status --
@@ -128,12 +129,12 @@ def _status_text(s: dict[str, Any]) -> str:
     rings = s["rings"]
     if rings:
         lines.append(f"{'RING':<40} {'RANK':>5} {'WRITER':>8} {'ALIVE':>5} {'CAPACITY':>10} {'PENDING':>10} "
-                     f"{'WRITTEN':>9} {'DROPPED':>8}")
+                     f"{'WRITTEN':>9} {'DROPPED':>8} {'REJECTED':>8}")
         for r in rings:
             lines.append(
                 f"{r['instance'] + '/' + r['name']:<40} {r['rank']:>5} {r['writer_pid']:>8} "
                 f"{'yes' if r['alive'] else 'no':>5} {_mib(r['capacity']):>10} {_mib(r['pending_bytes']):>10} "
-                f"{r['writer']['records_written']:>9} {r['writer']['records_dropped']:>8}"
+                f"{r['writer']['records_written']:>9} {r['writer']['records_dropped']:>8} {r.get('rejected', 0):>8}"
             )
     else:
         lines.append("no rings yet")
@@ -148,6 +149,18 @@ def _status_text(s: dict[str, Any]) -> str:
         f"subscribers: {s['subscribers']} ({s['subscribers_waiting']} waiting, {s['subscribers_too_slow']} cut off as too slow)"
         f"   delivered: {s['delivered_messages']} messages ({_mib(s['delivered_bytes'])}), mean latency {mean}",
     ]
+    if "connections" in s:  # daemons of this version and later
+        c = s["connections"]
+        lines += [
+            f"in flight: {_mib(s['inflight_bytes'])} of {_mib(s['inflight_budget'])}   cut: {s['captures_cut']}   "
+            f"ends lost: {s['reassembly'].get('ends_lost', 0)}   writers exited: {s['writers_exited']}",
+            f"rejected records: {s['rejected_records']}   corrupt: {s['corrupt_records']}   rings refused: "
+            f"{s['rings_refused']}   rings broken: {s['rings_broken']}   discovery: {s['discovery']}",
+            f"connections: {c['open']} open from {c['peers']} peers, {c['refused']} refused"
+            f"{', NOT ACCEPTING (descriptor limit)' if c['accept_paused'] else ''}   subscriptions refused: "
+            f"{s['subscriptions_refused']}",
+        ]
+        lines += [f"broken: {b['path']}: {b['why']}" for b in s.get("broken_rings", [])]
     return "\n".join(lines)
 
 

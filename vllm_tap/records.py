@@ -1,4 +1,6 @@
-"""Typed records that travel through a ring, shared by the writer (hooks) and the reader (daemon)."""
+"""Typed records that travel through a ring, shared by the writer (hooks) and the reader (daemon).
+
+Readers get RingRecords only from vllm_tap.ring_schema, which checks the bytes against the schema."""
 
 from __future__ import annotations
 
@@ -91,7 +93,11 @@ class RingRecord:
     positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     data: np.ndarray | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)  # control records: the validated meta, as plain values
     # Where it came from: (ring name, epoch) lets the reassembler tell writers apart.
     ring: str = ""
     epoch: int = 0
+    # Control records: the meta as decoded by vllm_tap.ring_schema (BeginMeta, EndMeta, DropMeta,
+    # LiveMeta) and, for BEGIN and END, the capture spec it carries.
+    control: Any = None
+    spec: Any = None

@@ -11,12 +11,15 @@ Client -> daemon:
   status    {id}
   cancel    {id}
 Daemon -> client:
-  begin  {id, request_id, instance, names, response_id, choice_index, num_prompt_tokens, ...}
+  begin  {id, request_id, instance, names, response_id, choice_index, num_prompt_tokens, source, ...}
   tokens {id, request_id, start, count, token_ids (int32 bytes), num_prompt_tokens, tensors} + buffers
   gap    {id, request_id, start, stop, reason}            positions [start, stop) are missing
-  end    {id, request_id, reason, missing [[start, stop], ...], output_token_ids, ...}
+  end    {id, request_id, reason, missing [[start, stop], ...], complete, output_token_ids, source, ...}
+         missing: expected positions not delivered, as sorted [start, stop) ranges, never as a list
+         of positions; complete: the END was seen and nothing is missing
   error  {id, code, message}                              ends the subscription
   status {id, status}
+  ping   {id: nil}                                        a liveness probe of the connection: ignore it
 
 Any change a peer of the previous version would misread must bump WIRE_VERSION; both sides
 answer a message of another version with an error instead of guessing.
@@ -51,7 +54,8 @@ TOKENS = "tokens"
 GAP = "gap"
 END = "end"
 ERROR = "error"
-REPLY_TYPES = (BEGIN, TOKENS, GAP, END, ERROR, STATUS)
+PING = "ping"  # the daemon checks that a connection holding subscriptions is still there; clients ignore it
+REPLY_TYPES = (BEGIN, TOKENS, GAP, END, ERROR, STATUS, PING)
 
 # Error codes (the "code" of an error message); every error ends the subscription it names.
 E_BAD_REQUEST = "bad_request"  # not a message this version understands
@@ -61,6 +65,7 @@ E_AMBIGUOUS = "ambiguous"  # the name matches several captures: pass index= or i
 E_EVICTED = "evicted"  # the capture ended and was dropped from memory (retain_bytes / retain_ttl_s)
 E_TOO_SLOW = "too_slow"  # the subscriber fell more than subscriber_queue messages behind
 E_STOPPING = "stopping"  # the daemon is stopping; message is its reason
+E_LIMIT = "limit"  # too many subscriptions on this connection or in all (max_subscriptions*)
 E_INTERNAL = "internal"
 
 # Limits on what a client may send, so a hostile or broken peer costs little.

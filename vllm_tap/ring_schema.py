@@ -1,0 +1,531 @@
+"""Typed decoding of ring records: the one place where untrusted ring bytes become Python values.
+
+Any process that may open a ring for writing can put anything in it, so the reader trusts nothing
+it finds there. Rules this module keeps:
+- every header field is bounds-checked against the record it sits in before it is used;
+- every size derived from a record (rows, widths, list lengths, strings) has a fixed upper bound
+  here, checked before anything of that size is allocated;
+- every msgpack section is decoded against a msgspec schema (no untyped decoding of a whole
+  section: a typed decoder rejects a wrong shape at its first byte, so a small record cannot
+  expand into a large object graph);
+- a record that does not fit is rejected whole, as a `Rejection` naming what was wrong and the
+  request ids that could still be read from it, so the daemon can end those captures with a reason.
+
+Record layout (constants in ring_format; all little-endian):
+
+    0  ┌ header (RECORD_HEADER, 64 bytes) ────────────────────────────────────────────────┐
+       │ "TAPR" total_len │ kind tensor dtype flags │ layer rank │ n_rows n_requests      │
+       │ key_len pad meta_len │ step │ slice_start slice_stop full_dim │ payload_offset   │
+   64  ├ key: request id NUL tap key (control records; empty for DATA) ───────────────────┤
+       ├ meta: msgpack; control records: one map per kind (BeginMeta, EndMeta, DropMeta,  │
+       │ LiveMeta); DATA: the request table, an array of REQUEST_FIELDS arrays            │
+       ├ (8-aligned) slots int32[n] │ positions int32[n] │ token ids int32[n]  (DATA)      │
+       ├ (64-aligned) payload: [n, slice_stop - slice_start] of dtype             (DATA)   │
+       └ total_len (a multiple of 64) ─────────────────────────────────────────────────────┘
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
+
+import msgspec
+import numpy as np
+
+from vllm_tap import ring_format as rf
+from vllm_tap.records import RingRecord, TensorId
+
+if TYPE_CHECKING:
+    from vllm_tap.spec import CaptureSpec
+
+# -- bounds (a legitimate writer stays far inside every one of them) --
+
+MAX_POSITION = (1 << 31) - 1  # positions are int32 in DATA records; END's end_position is a stop, <= this
+MAX_REQUEST_ID_CHARS = 4096
+MAX_TAP_KEY_CHARS = 1024
+MAX_SOURCE_CHARS = 32
+MAX_REASON_CHARS = 256
+MAX_MODEL_CHARS = 4096
+MAX_TOKEN_LIST = 1 << 24  # prompt / output token ids of one request
+MAX_DROP_POSITIONS = 1 << 24
+MAX_LIVE_REQUESTS = 1 << 20
+MAX_SPEC_BYTES = 64 << 10  # the msgpack of a CaptureSpec.to_meta() is a few hundred bytes
+MAX_CONTROL_META_BYTES = 64 << 20  # a BEGIN of a 10M-token prompt fits
+MAX_TABLE_BYTES = 64 << 20
+MAX_RANKS = 1 << 16
+MAX_RANK_PARTS = 1 << 12
+MAX_FULL_DIM = 1 << 24
+MAX_LAYER = 1 << 15
+MAX_SAMPLES = 1 << 16  # n of a request
+MAX_STEP = (1 << 63) - 1
+
+_DATA = rf.RecordKind.DATA
+_CONTROL_KINDS = (rf.RecordKind.BEGIN, rf.RecordKind.END, rf.RecordKind.DROP, rf.RecordKind.LIVE)
+_ITEMSIZE = {int(c): rf.storage_dtype(c).itemsize for c in rf.DType}
+_TENSOR_KINDS = {int(k) for k in rf.TensorKind}
+
+Position = Annotated[int, msgspec.Meta(ge=0, le=MAX_POSITION)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_POSITION)]
+TokenId = Annotated[int, msgspec.Meta(ge=-(1 << 31), le=(1 << 31) - 1)]
+RequestIdStr = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS)]
+TapKeyStr = Annotated[str, msgspec.Meta(max_length=MAX_TAP_KEY_CHARS)]
+SourceStr = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SOURCE_CHARS)]
+
+
+# -- schemas --
+
+
+class BeginMeta(msgspec.Struct, forbid_unknown_fields=False):
+    """BEGIN: a request started capturing (hooks/engine_events)."""
+
+    spec: msgspec.Raw = msgspec.Raw()  # CaptureSpec.to_meta(), decoded on its own (bounded, see _spec)
+    num_prompt_tokens: Count = 0
+    prompt_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKEN_LIST)] | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_SAMPLES)] = 1
+    model: Annotated[str, msgspec.Meta(max_length=MAX_MODEL_CHARS)] = ""
+    # Whether the engine schedules asynchronously (a finished request may be computed once more).
+    # None: not said (the reader then assumes it may).
+    async_scheduling: bool | None = None
+
+
+class EndMeta(msgspec.Struct, forbid_unknown_fields=False):
+    """END: how a request finished; spec and source again, for a reader that missed the BEGIN."""
+
+    reason: Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)] = "finished"
+    num_prompt_tokens: Count = 0
+    num_output_tokens: Count = 0
+    output_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKEN_LIST)] = []
+    end_position: Position = 0
+    spec: msgspec.Raw = msgspec.Raw()
+    source: SourceStr | None = None
+
+
+class DropMeta(msgspec.Struct, forbid_unknown_fields=False):
+    """DROP: the writer dropped a record; these positions of the request are missing."""
+
+    tensor: int = 0
+    layer: int = -1
+    positions: Annotated[list[Position], msgspec.Meta(max_length=MAX_DROP_POSITIONS)] = []
+
+
+class LiveMeta(msgspec.Struct, forbid_unknown_fields=False):
+    """LIVE (engine ring): the requests still capturing."""
+
+    requests: Annotated[list[RequestIdStr], msgspec.Meta(max_length=MAX_LIVE_REQUESTS)] = []
+
+
+class RequestEntry(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One entry of a DATA record's request table, in ring_format.REQUEST_FIELDS order."""
+
+    request_id: RequestIdStr
+    tap_key: TapKeyStr
+    num_prompt_tokens: Count
+    expected_ranks: Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
+    rank_parts: Annotated[int, msgspec.Meta(ge=1, le=MAX_RANK_PARTS)]
+    start: Annotated[int, msgspec.Meta(ge=-1, le=MAX_POSITION)]
+    tail: Count
+    source: SourceStr
+
+
+assert tuple(RequestEntry.__struct_fields__) == rf.REQUEST_FIELDS, "REQUEST_FIELDS and RequestEntry must agree"
+
+
+class _IdOnly(msgspec.Struct, array_like=True, forbid_unknown_fields=False):
+    """What can be salvaged from a bad table entry: its request id, to end that capture."""
+
+    request_id: RequestIdStr
+
+
+_CONTROL_DECODERS = {
+    rf.RecordKind.BEGIN: msgspec.msgpack.Decoder(BeginMeta),
+    rf.RecordKind.END: msgspec.msgpack.Decoder(EndMeta),
+    rf.RecordKind.DROP: msgspec.msgpack.Decoder(DropMeta),
+    rf.RecordKind.LIVE: msgspec.msgpack.Decoder(LiveMeta),
+}
+_TABLE = msgspec.msgpack.Decoder(list[RequestEntry])
+_RAW_LIST = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_ENTRY = msgspec.msgpack.Decoder(RequestEntry)
+_ID_ONLY = msgspec.msgpack.Decoder(_IdOnly)
+_ANY = msgspec.msgpack.Decoder()
+
+
+class Rejected(ValueError):
+    """A record that does not fit the schema; `request_ids` are the captures it names readably."""
+
+    def __init__(self, why: str, request_ids: tuple[str, ...] = (), kind: int = 0):
+        super().__init__(why)
+        self.why = why
+        self.request_ids = request_ids
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A rejected record, in the order it was read (so the daemon ends its captures in order)."""
+
+    ring: str
+    epoch: int
+    offset: int  # the ring cursor where the record starts
+    why: str
+    request_ids: tuple[str, ...]
+    kind: int
+    index: int = 0  # how many records the same poll returned before it
+
+
+# -- header --
+
+
+class Header(NamedTuple):
+    total: int
+    kind: int
+    tensor: int
+    dtype: int
+    layer: int
+    rank: int
+    n_rows: int
+    n_requests: int
+    key_len: int
+    meta_len: int
+    step: int
+    slice_start: int
+    slice_stop: int
+    full_dim: int
+    payload_offset: int
+
+
+def parse_header(buf: memoryview | bytes | np.ndarray, at: int = 0) -> Header:
+    (magic, total, kind, tensor, dtype, _flags, layer, rank16, n, n_requests, key_len, _pad, meta_len, step,
+     s0, s1, full_dim, payload_off) = rf.RECORD_HEADER.unpack_from(buf, at)
+    if magic != rf.RECORD_MAGIC:
+        raise Rejected(f"bad record magic {magic!r}")
+    rank = rf.ENGINE_RANK if rank16 == rf.ENGINE_RANK_U16 else rank16
+    return Header(total, kind, tensor, dtype, layer, rank, n, n_requests, key_len, meta_len, step, s0, s1, full_dim,
+                  payload_off)
+
+
+_TENSOR_IDS: dict[tuple[int, int], TensorId] = {}
+
+
+def _tensor_id(kind: int, layer: int) -> TensorId:
+    key = (kind, layer if kind == rf.TensorKind.HIDDEN else -1)
+    tid = _TENSOR_IDS.get(key)
+    if tid is None:
+        tid = _TENSOR_IDS[key] = TensorId(rf.TensorKind(kind), key[1])
+    return tid
+
+
+# -- records --
+
+
+def decode_record(rec: memoryview | bytes | np.ndarray, *, ring: str = "", epoch: int = 0,
+                  table_cache: "TableCache | None" = None) -> list[RingRecord]:
+    """One whole record (its total_len bytes) -> one RingRecord per control record, or one per
+    request with rows in a DATA record (arrays are private copies). Raises Rejected."""
+    mv = memoryview(rec).cast("B") if not isinstance(rec, np.ndarray) else memoryview(rec)
+    total = len(mv)
+    if total < rf.RECORD_HEADER_SIZE:
+        raise Rejected(f"record of {total} bytes is shorter than its header")
+    h = parse_header(mv)
+    if h.total != total:
+        raise Rejected(f"record length {h.total} does not match the {total} bytes given")
+    if h.kind == rf.RecordKind.DATA:
+        return _decode_data(mv, h, ring, epoch, table_cache)
+    if h.kind in _CONTROL_KINDS:
+        return [_decode_control(mv, h, ring, epoch)]
+    raise Rejected(f"unknown record kind {h.kind}")
+
+
+def _key(mv: memoryview, h: Header, kind: rf.RecordKind) -> tuple[str, str]:
+    key = bytes(mv[rf.RECORD_HEADER_SIZE : rf.RECORD_HEADER_SIZE + h.key_len])
+    rid_b, sep, tap_b = key.partition(rf.KEY_SEPARATOR)
+    try:
+        rid, tap_key = rid_b.decode(), tap_b.decode()
+    except UnicodeDecodeError:
+        raise Rejected("request id or tap key is not UTF-8") from None
+    if kind != rf.RecordKind.LIVE and not rid:
+        raise Rejected("empty request id")
+    if len(rid) > MAX_REQUEST_ID_CHARS or len(tap_key) > MAX_TAP_KEY_CHARS or rf.KEY_SEPARATOR in tap_b:
+        raise Rejected("request id or tap key too long or malformed", (rid,) if rid and len(rid) <= MAX_REQUEST_ID_CHARS else ())
+    return rid, tap_key
+
+
+def _spec(raw: msgspec.Raw, rid: str) -> "CaptureSpec | None":
+    if not len(raw):
+        return None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise Rejected(f"capture spec of {len(raw)} bytes", (rid,))
+    value = _ANY.decode(raw)  # bounded by MAX_SPEC_BYTES
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise Rejected(f"capture spec is a {type(value).__name__}, not a map", (rid,))
+    from vllm_tap.spec import CaptureSpec  # here: spec imports ring, which imports this module
+
+    try:
+        spec = CaptureSpec.from_meta(value)
+        # What the daemon will ask of it, on small numbers: a spec that cannot answer is malformed.
+        spec.first_position(4)
+        spec.position_range(4, 8)
+        int(spec.tail)
+    except Exception as e:  # from_meta belongs to the spec's owner: whatever it raises, the record is bad
+        raise Rejected(f"capture spec unreadable: {type(e).__name__}: {e}", (rid,)) from None
+    return spec
+
+
+def _decode_control(mv: memoryview, h: Header, ring: str, epoch: int) -> RingRecord:
+    kind = rf.RecordKind(h.kind)
+    if h.meta_len > MAX_CONTROL_META_BYTES:
+        raise Rejected(f"{kind.name} meta of {h.meta_len} bytes")
+    if rf.RECORD_HEADER_SIZE + h.key_len + h.meta_len > h.total:
+        raise Rejected(f"{kind.name} key ({h.key_len}) and meta ({h.meta_len}) overrun the record ({h.total})")
+    rid, tap_key = _key(mv, h, kind)
+    ids = (rid,) if rid else ()
+    meta_off = rf.RECORD_HEADER_SIZE + h.key_len
+    raw = mv[meta_off : meta_off + h.meta_len]
+    try:
+        info = _CONTROL_DECODERS[kind].decode(raw) if h.meta_len else _CONTROL_DECODERS[kind].decode(b"\x80")
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise Rejected(f"{kind.name} meta: {e}", ids, h.kind) from None
+    spec = None
+    source = None
+    if isinstance(info, (BeginMeta, EndMeta)):
+        try:
+            spec = _spec(info.spec, rid)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise Rejected(f"{kind.name} capture spec: {e}", ids, h.kind) from None
+        source = spec.source if spec is not None else None
+        if isinstance(info, EndMeta) and info.source:
+            source = info.source
+    meta = msgspec.structs.asdict(info)
+    if "spec" in meta:
+        meta["spec"] = spec.to_meta() if spec is not None else None
+    num_prompt = info.num_prompt_tokens if isinstance(info, (BeginMeta, EndMeta)) else 0
+    return RingRecord(kind=kind, request_id=rid, tap_key=tap_key, step=h.step, rank=h.rank, meta=meta,
+                      num_prompt_tokens=num_prompt, source=source or "client", ring=ring, epoch=epoch,
+                      control=info, spec=spec)
+
+
+class TableCache:
+    """The last request table decoded: a step's records of every tensor share one table."""
+
+    __slots__ = ("blob", "entries")
+
+    def __init__(self) -> None:
+        self.blob = b""
+        self.entries: list[RequestEntry] = []
+
+
+def _array_len(raw: memoryview) -> int | None:
+    """Element count from a msgpack array header, or None if it is not an array."""
+    if not len(raw):
+        return None
+    b = raw[0]
+    if 0x90 <= b <= 0x9F:
+        return b & 0x0F
+    if b == 0xDC and len(raw) >= 3:
+        return int.from_bytes(raw[1:3], "big")
+    if b == 0xDD and len(raw) >= 5:
+        return int.from_bytes(raw[1:5], "big")
+    return None
+
+
+def _salvage_ids(raw: memoryview) -> tuple[str, ...]:
+    """Request ids of the table entries that still have a readable one."""
+    try:
+        items = _RAW_LIST.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return ()
+    out = []
+    for item in items:
+        try:
+            out.append(_ID_ONLY.decode(item).request_id)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass
+    return tuple(dict.fromkeys(out))
+
+
+_PATH = re.compile(r"`\$\[(\d+)\]\[(\d+)\]")
+
+
+def _named(message: str) -> str:
+    """msgspec names table entries' fields by index ($[0][3]); say which field that is."""
+    def name(m: re.Match) -> str:
+        j = int(m.group(2))
+        return f"`entry {m.group(1)}, {rf.REQUEST_FIELDS[j] if j < len(rf.REQUEST_FIELDS) else f'field {j}'}"
+    return _PATH.sub(name, message)
+
+
+def _table(mv: memoryview, meta_off: int, h: Header, cache: TableCache | None) -> list[RequestEntry]:
+    raw = mv[meta_off : meta_off + h.meta_len]
+    if cache is not None and len(cache.blob) == h.meta_len and cache.blob == raw:
+        return cache.entries
+    count = _array_len(raw)
+    if count != h.n_requests:
+        raise Rejected(f"request table holds {count} entries, the header says {h.n_requests}", _salvage_ids(raw) if count else ())
+    try:
+        entries = _TABLE.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise Rejected(f"request table: {_named(str(e))}", _salvage_ids(raw)) from None
+    if cache is not None:
+        cache.blob = bytes(raw)
+        cache.entries = entries
+    return entries
+
+
+@dataclass
+class DataPlan:
+    """A DATA record whose header, request table and row arrays were checked: what is left is to
+    put its payload into arrays, from a buffer or straight from the file (`parts`)."""
+
+    h: Header
+    entries: list[RequestEntry]
+    positions: np.ndarray
+    token_ids: np.ndarray
+    groups: list[tuple[int, Any]]  # (table slot, rows: None = all, a slice, or an index array)
+    dtype: np.dtype
+    width: int
+    payload_offset: int
+    ring: str
+    epoch: int
+
+    @property
+    def payload_nbytes(self) -> int:
+        return self.h.n_rows * self.width * self.dtype.itemsize
+
+    @property
+    def contiguous(self) -> bool:
+        """Each request's rows lie together and in table order: the payload can be read straight
+        into one array per request."""
+        return all(rows is None or isinstance(rows, slice) for _, rows in self.groups)
+
+    def part_shapes(self) -> list[tuple[int, int]]:
+        n = self.h.n_rows
+        return [(n if rows is None else rows.stop - rows.start, self.width) for _, rows in self.groups]
+
+    def records(self, payload: np.ndarray | None = None, parts: list[np.ndarray] | None = None) -> list[RingRecord]:
+        """payload: all rows [n, width] (copied out per request); parts: one array per group, owned."""
+        h = self.h
+        tid = _tensor_id(h.tensor, h.layer)
+        out = []
+        for i, (slot, rows) in enumerate(self.groups):
+            e = self.entries[slot]
+            if rows is None:
+                take = lambda a: a.copy()  # noqa: E731
+            elif isinstance(rows, slice):
+                take = lambda a, rows=rows: a[rows].copy()  # noqa: E731
+            else:
+                take = lambda a, rows=rows: a[rows]  # noqa: E731 (fancy indexing copies)
+            out.append(RingRecord(
+                kind=_DATA, request_id=e.request_id, tap_key=e.tap_key, step=h.step, rank=h.rank,
+                expected_ranks=e.expected_ranks, rank_parts=e.rank_parts, tensor=tid, dtype=h.dtype,
+                slice_start=h.slice_start, slice_stop=h.slice_stop, full_dim=h.full_dim,
+                num_prompt_tokens=e.num_prompt_tokens, start=e.start, tail=e.tail, source=e.source,
+                positions=take(self.positions), token_ids=take(self.token_ids),
+                data=parts[i] if parts is not None else take(payload), ring=self.ring, epoch=self.epoch,
+            ))
+        return out
+
+
+def data_layout(h: Header) -> tuple[int, int, int, int, int]:
+    """Check a DATA header against itself and its record length; the body offsets (ring_format.body_layout)."""
+    n = h.n_rows
+    if h.tensor not in _TENSOR_KINDS:
+        raise Rejected(f"unknown tensor kind {h.tensor}")
+    if h.dtype not in _ITEMSIZE:
+        raise Rejected(f"unknown dtype code {h.dtype}")
+    if not 1 <= h.n_requests <= rf.MAX_REQUESTS_PER_RECORD:
+        raise Rejected(f"{h.n_requests} requests in one record (1..{rf.MAX_REQUESTS_PER_RECORD})")
+    if h.meta_len > MAX_TABLE_BYTES:
+        raise Rejected(f"request table of {h.meta_len} bytes")
+    if h.key_len:
+        raise Rejected("a DATA record with a key section")
+    if not 0 <= h.slice_start < h.slice_stop <= h.full_dim <= MAX_FULL_DIM:
+        raise Rejected(f"slice [{h.slice_start}, {h.slice_stop}) of {h.full_dim}")
+    if h.tensor == rf.TensorKind.HIDDEN and not 0 <= h.layer <= MAX_LAYER:
+        raise Rejected(f"hidden layer {h.layer}")
+    # Sizes from the header, checked against the record before any array is made from them.
+    if n > h.total // 12:
+        raise Rejected(f"{n} rows cannot fit a record of {h.total} bytes")
+    layout = rf.body_layout(0, h.meta_len, n)
+    payload_off = layout[4]
+    width = h.slice_stop - h.slice_start
+    itemsize = _ITEMSIZE[h.dtype]
+    if h.payload_offset != payload_off or payload_off + n * width * itemsize > h.total:
+        raise Rejected(f"payload at {h.payload_offset} (expected {payload_off}) of {n}x{width}x{itemsize} bytes "
+                       f"overruns the record ({h.total})")
+    return layout
+
+
+def plan_data(prefix: memoryview | bytes | np.ndarray, h: Header, *, ring: str = "", epoch: int = 0,
+              table_cache: TableCache | None = None) -> DataPlan | None:
+    """Check what precedes the payload of a DATA record (`prefix`: at least its first payload_offset
+    bytes); None for a record without rows. Raises Rejected."""
+    mv = memoryview(prefix).cast("B") if not isinstance(prefix, np.ndarray) else memoryview(prefix)
+    meta_off, slots_off, pos_off, ids_off, payload_off = data_layout(h)
+    if len(mv) < ids_off + 4 * h.n_rows:
+        raise Rejected("record shorter than its header says")
+    n = h.n_rows
+    entries = _table(mv, meta_off, h, table_cache)
+    if n == 0:
+        return None
+    base = np.frombuffer(mv, np.uint8)
+    slots = base[slots_off:pos_off].view("<i4")
+    positions = base[pos_off:ids_off].view("<i4")
+    token_ids = base[ids_off : ids_off + 4 * n].view("<i4")
+    if n == 1:  # one row (a decode step of one request): scalar checks, no reductions
+        bad_slot = not 0 <= int(slots[0]) < h.n_requests
+        bad_position = int(positions[0]) < 0
+    else:
+        bad_slot = bool(slots.any()) if h.n_requests == 1 else (int(slots.min()) < 0 or int(slots.max()) >= h.n_requests)
+        bad_position = int(positions.min()) < 0
+    if bad_slot:
+        raise Rejected("a row names a request outside the table", tuple(dict.fromkeys(e.request_id for e in entries)))
+    if bad_position:
+        raise Rejected("a negative position", tuple(dict.fromkeys(e.request_id for e in entries)))
+    if h.n_requests == 1:
+        groups: list[tuple[int, Any]] = [(0, None)]
+    else:
+        # Rows of one request may be spread over the record (a prefill's extra lm-head rows come
+        # before the batch's sampled rows): a stable sort by slot keeps each request's rows in
+        # their position order, and each request's rows are then taken with one copy.
+        order = None if bool(np.all(slots[1:] >= slots[:-1])) else np.argsort(slots, kind="stable")
+        sorted_slots = slots if order is None else slots[order]
+        bounds = (np.flatnonzero(np.diff(sorted_slots)) + 1).tolist()
+        groups = [(int(sorted_slots[a]), slice(a, b) if order is None else order[a:b])
+                  for a, b in zip([0, *bounds], [*bounds, n])]
+    return DataPlan(h, entries, positions, token_ids, groups, rf.storage_dtype(h.dtype),
+                    h.slice_stop - h.slice_start, payload_off, ring, epoch)
+
+
+def _decode_data(mv: memoryview, h: Header, ring: str, epoch: int, cache: TableCache | None) -> list[RingRecord]:
+    plan = plan_data(mv, h, ring=ring, epoch=epoch, table_cache=cache)
+    if plan is None:
+        return []
+    base = np.frombuffer(mv, np.uint8)
+    off = plan.payload_offset
+    payload = base[off : off + plan.payload_nbytes].view(plan.dtype).reshape(h.n_rows, plan.width)
+    return plan.records(payload=payload)
+
+
+# -- building records in memory (tests, tools): the same decoder, so the same checks --
+
+
+def control_record(kind: rf.RecordKind, request_id: str, meta: Any, *, tap_key: str = "", rank: int = rf.ENGINE_RANK,
+                   ring: str = "engine" + rf.RING_SUFFIX, epoch: int = 0, step: int = 0) -> RingRecord:
+    """A control record as the reader would return it for this meta (Rejected if it would reject it)."""
+    import msgpack
+
+    key = request_id.encode() + rf.KEY_SEPARATOR + tap_key.encode()
+    mb = msgpack.packb(meta, use_bin_type=True)
+    *_, payload_off = rf.body_layout(len(key), len(mb), 0)
+    total = rf.align_up(payload_off)
+    buf = bytearray(total)
+    rank16 = rf.ENGINE_RANK_U16 if rank == rf.ENGINE_RANK else rank
+    rf.RECORD_HEADER.pack_into(buf, 0, rf.RECORD_MAGIC, total, int(kind), 0, 0, 0, -1, rank16, 0, 0, len(key), 0,
+                               len(mb), step, 0, 0, 0, payload_off)
+    buf[rf.RECORD_HEADER_SIZE : rf.RECORD_HEADER_SIZE + len(key)] = key
+    buf[rf.RECORD_HEADER_SIZE + len(key) : rf.RECORD_HEADER_SIZE + len(key) + len(mb)] = mb
+    (rec,) = decode_record(bytes(buf), ring=ring, epoch=epoch)
+    return rec
+
