@@ -11,8 +11,8 @@ the reader only ever sees whole records.
 The writer must never fault the process it lives in:
   - a ring's whole size is reserved when it is created (posix_fallocate), so a full /dev/shm is a
     `RingSpaceError` at start-up, never a SIGBUS when a sparse page is first touched;
-  - before each store the writer checks that its file still has its size (one fstat). A file
-    someone truncated is abandoned: every later write is dropped and counted in the process
+  - before it stores, the writer checks that its file still has its size (one fstat at a step's
+    first reservation, one at its commit, one per control record). A file someone truncated is abandoned: every later write is dropped and counted in the process
     (`lost()`), one error is logged, serving goes on. What no check in Python can close is a
     truncation between that fstat and the stores right after it (microseconds; for a reservation,
     until its payload is filled and committed): only file permissions keep other processes from
@@ -205,6 +205,7 @@ class RingWriter:
         # Kept open: one fstat before each store tells whether someone truncated the file.
         self._fd = fd
         self._dead = False
+        self._checked = False  # size checked since the last commit
         self._lost = {"records": 0, "control": 0}
         self._buf = np.frombuffer(self._mm, np.uint8)
         self._data = self._buf[rf.HEADER_SIZE :]
@@ -508,9 +509,12 @@ class RingWriter:
         _, slots_off, _, ids_off, payload_off = rf.body_layout(0, len(meta), n)
         total = rf.align_up(payload_off + nbytes)
         with self._lock:
-            if not self._usable():
+            # Checked at the first reservation after a commit (a step's first record) and at the
+            # commit: one fstat each, not one per record.
+            if self._dead or (not self._checked and not self._usable()):
                 self._lost["records"] += 1
                 return None
+            self._checked = True
             if self._backlog:  # nothing queued: nothing to flush (and nothing left to publish)
                 self._flush_backlog()
             got = self._reserve_blocking(total)
@@ -548,6 +552,7 @@ class RingWriter:
     def commit_many(self, reservations: Iterable[Reservation]) -> None:
         """Commit several reservations at once (one lock, one publish): a step's records."""
         with self._lock:
+            self._checked = False
             if not self._usable():
                 return  # their payloads were written before the check: nothing more to store
             for res in reservations:
