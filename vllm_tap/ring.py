@@ -520,6 +520,7 @@ class RingWriter:
             got = self._reserve_blocking(total)
             if got is None:
                 self._drop(table, rows[0], rows[1], tensor, total)
+                self._checked = False  # no commit may follow: check again at the next record
                 return None
             start, at = got
             rel = at % self.capacity
