@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 
+from vllm_tap.hooks import preflight
 from vllm_tap.hooks.settings import TapConfigError, server_config
 from vllm_tap.spec import SERVER_CONFIG_KEY
 
@@ -33,7 +34,7 @@ def patch_module(module) -> None:
         config = orig(self, *args, **kwargs)
         if wants_tap:
             try:
-                server_config(config)
+                preflight.check(config, server_config(config))
                 if config.speculative_config is not None:
                     raise TapConfigError("vllm-tap: speculative decoding is not supported with the tap enabled")
             except TapConfigError as e:
