@@ -160,26 +160,59 @@ WINDOWS = {  # form -> the positions it holds for P = 20 prompt tokens and 10 ge
     "prompt[-16:]": range(4, 20), "output[:4]": range(19, 23), "output[2:4]": range(21, 23),
     "all[5:9]": range(5, 9), "[5, 9]": range(5, 9), "all[25:]": range(25, 29), "prompt[:-18]": range(0, 2),
     "last_prompt": range(19, 20), "last_output": range(28, 29),
-    "output[-3:]": range(26, 29), "all[-2:]": range(27, 29),  # tails: the daemon keeps the last N at the END
 }
+TAILS = {"output[-3:]": range(26, 29), "all[-2:]": range(27, 29)}  # the daemon keeps the last N at the END
 
 
-def test_every_window_form_against_the_full_capture(stack):
+def _daemon_keeps_tails() -> bool:
+    """Whether this daemon's reassembler delivers the last N positions of a tail window (N > 1)."""
+    import numpy as np
+
+    from vllm_tap import ring_format as rf
+    from vllm_tap.daemon.reassembly import Reassembler, Tokens
+    from vllm_tap.records import RingRecord, TensorId
+    from vllm_tap.spec import CaptureSpec
+
+    r = Reassembler()
+    meta = {"spec": CaptureSpec(positions="output[-2:]").to_meta(), "num_prompt_tokens": 2, "n": 1}
+    events = r.feed(RingRecord(kind=rf.RecordKind.BEGIN, request_id="t", rank=rf.ENGINE_RANK, ring="engine.ring",
+                               meta=meta), 0.0)
+    for step, p in enumerate((1, 2, 3)):
+        pos = np.array([p], np.int32)
+        events += r.feed(RingRecord(kind=rf.RecordKind.DATA, request_id="t", step=step, tensor=TensorId(rf.TensorKind.LOGITS),
+                                    dtype=rf.DType.FLOAT32, slice_stop=1, full_dim=1, num_prompt_tokens=2, positions=pos,
+                                    token_ids=pos, data=np.zeros((1, 1), np.float32), ring="rank-00000.ring"), 0.0)
+    events += r.feed(RingRecord(kind=rf.RecordKind.END, request_id="t", rank=rf.ENGINE_RANK, ring="engine.ring",
+                                meta={"reason": "length", "num_prompt_tokens": 2, "end_position": 4}), 0.0)
+    return [int(p) for e in events if isinstance(e, Tokens) for p in e.positions] == [2, 3]
+
+
+def _windows_against_the_full_capture(stack, windows: dict) -> None:
     prompt = prompt_text(_ids(20, 77))
     forms = {"full": {"tap": 1}}
-    forms.update({w: {"tap_positions": json.loads(w) if w.startswith("[") else w} for w in WINDOWS})
+    forms.update({w: {"tap_positions": json.loads(w) if w.startswith("[") else w} for w in windows})
     with cf.ThreadPoolExecutor(len(forms)) as pool:
         resp = dict(zip(forms, pool.map(lambda x: stack.complete(prompt, x, max_tokens=10), forms.values())))
     caps = {name: stack.client.fetch(r.id, timeout=60) for name, r in resp.items()}
     full = caps["full"]
     assert list(full.positions) == list(range(29))
-    for form, rng in WINDOWS.items():
+    for form, rng in windows.items():
         cap = caps[form]
         assert list(cap.positions) == list(rng), form
         assert not list(cap.missing_positions), form
         np.testing.assert_allclose(cap.logits, full.logits[rng.start : rng.stop], atol=TOL, err_msg=form)
         for layer, h in cap.hidden.items():
             np.testing.assert_allclose(h, full.hidden[layer][rng.start : rng.stop], atol=TOL, err_msg=form)
+
+
+def test_every_window_form_against_the_full_capture(stack):
+    _windows_against_the_full_capture(stack, WINDOWS)
+
+
+@pytest.mark.xfail(not _daemon_keeps_tails(), strict=True,
+                   reason="this daemon's reassembler delivers only the last position of a tail window (helper H1's work)")
+def test_tail_windows_are_the_last_n_positions(stack):
+    _windows_against_the_full_capture(stack, TAILS)
 
 
 @pytest.mark.parametrize("window", ["middle", "output[:-1]", "all[-5:10]", "output[3:3]", "prompt[-2:-4]",
