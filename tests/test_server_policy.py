@@ -385,3 +385,17 @@ def _ring_stats(path: str) -> dict:
     from vllm_tap.ring import read_info
 
     return read_info(path).stats
+
+
+def test_a_worker_ring_truncated_under_vllm_is_abandoned_and_serving_goes_on(stack):
+    """Anyone who can write a ring file can shrink it; the next store into it would be a SIGBUS in
+    the worker. Runs after the memory test: the ring is useless afterwards."""
+    ring = os.path.join(stack.shm, "pol", "rank-00000.ring")
+    os.truncate(ring, 0)
+    for i in range(6):
+        status, body = stack.post({"prompt": prompt_text(_ids(8, i)), "max_tokens": 4, "vllm_xargs": {"tap": 1}})
+        assert status == 200, body
+    assert stack.alive()
+    with open(stack.server.log_path, errors="replace") as f:
+        log = f.read()
+    assert log.count("changed size under its writer") == 1
