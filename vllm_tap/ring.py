@@ -12,11 +12,12 @@ The writer must never fault the process it lives in:
   - a ring's whole size is reserved when it is created (posix_fallocate), so a full /dev/shm is a
     `RingSpaceError` at start-up, never a SIGBUS when a sparse page is first touched;
   - before it stores, the writer checks that its file still has its size (one fstat at a step's
-    first reservation, one at its commit, one per control record). A file someone truncated is abandoned: every later write is dropped and counted in the process
-    (`lost()`), one error is logged, serving goes on. What no check in Python can close is a
-    truncation between that fstat and the stores right after it (microseconds; for a reservation,
-    until its payload is filled and committed): only file permissions keep other processes from
-    truncating a ring (see the ring's mode and group).
+    first reservation, one at its commit, one per control record). A file someone truncated is
+    abandoned: every later write is dropped and counted in the process (`lost()`), one error is
+    logged, serving goes on. What no check in Python can close is a truncation between that fstat
+    and the stores after it (microseconds; for a reservation, until its payload is filled and
+    committed, a step): only file permissions keep other processes from truncating a ring (see
+    the ring's mode and group).
 
 The reader persists its cursor in the file, so a restarted daemon resumes exactly where the last
 one stopped; a restarted writer creates a fresh file (new inode, new epoch) that the reader notices.
