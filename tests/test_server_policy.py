@@ -304,7 +304,7 @@ def _tiny_opt() -> str:
         from transformers import OPTConfig, OPTForCausalLM
 
         cfg = OPTConfig(vocab_size=SPEC.vocab_size, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
-                        num_attention_heads=2, max_position_embeddings=512, word_embed_proj_dim=64)
+                        num_attention_heads=2, max_position_embeddings=2048, word_embed_proj_dim=64)
         OPTForCausalLM(cfg).save_pretrained(path)
         src = tiny_model(SPEC)
         for f in os.listdir(src):
