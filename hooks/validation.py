@@ -51,6 +51,7 @@ def patch_module(module) -> None:
             _stamp(request, spec)
         return request
 
+    cls.__init__ = __init__
     cls.process_inputs = process_inputs
 
 
