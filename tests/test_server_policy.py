@@ -341,10 +341,13 @@ def _rss_mib(pgid: int) -> dict[int, tuple[str, float]]:
 def test_vllm_memory_stays_flat_while_the_daemon_is_stopped(stack):
     """32 capturing requests at a time for a minute with nobody reading the rings: they fill, every
     record after that is dropped, and the control records that report the drops must not pile up in
-    vLLM's memory (they did: +192 MB in 30 s)."""
+    vLLM's memory (they did: +358 MiB in the worker over the same minute here, before the fix).
+    The first 25 s are a warm-up: a cold vLLM worker itself grows some 50 MiB under a new load
+    shape before it levels off, capture or not."""
     stack.daemon.stop()
-    stop_at = time.monotonic() + 75
+    stop_at = time.monotonic() + 85
     done = [0]
+    lock = threading.Lock()
     errors: list[str] = []
 
     def loop(i: int) -> None:
@@ -352,21 +355,22 @@ def test_vllm_memory_stays_flat_while_the_daemon_is_stopped(stack):
             status, body = stack.post({"prompt": prompt_text(_ids(16, i)), "max_tokens": 64, "ignore_eos": True,
                                        "vllm_xargs": {"tap": 1}})
             if status == 200:
-                done[0] += 1
+                with lock:
+                    done[0] += 1
             else:
                 errors.append(str(body)[:200])
 
     threads = [threading.Thread(target=loop, args=(i,)) for i in range(32)]
     for t in threads:
         t.start()
-    time.sleep(15)  # rings full by now, the server warm
+    time.sleep(25)  # rings full and the backlog at its bound by now, the server warm
     before = _rss_mib(stack.server.proc.pid)
     for t in threads:
         t.join()
     after = _rss_mib(stack.server.proc.pid)
     growth = {before[p][0]: after[p][1] - before[p][1] for p in before if p in after}
     rings = {os.path.basename(p): json.dumps(_ring_stats(p)) for p in _rings(stack)}
-    print(f"\n{done[0]} requests in 75 s; RSS growth over the last 60 s (MiB): {growth}; rings: {rings}")
+    print(f"\n{done[0]} requests in 85 s; RSS growth over the last 60 s (MiB): {growth}; rings: {rings}")
     assert not errors, errors[:3]
     assert done[0] >= 64
     for p in _rings(stack):
