@@ -1,9 +1,22 @@
-"""Engine-core side: tell the daemon when a capturing request begins and how it ended.
+"""Engine-core side: tell the daemon when a capturing request begins, that it still runs, and how
+it ended.
 
 Only the scheduler knows a request's finish reason and its final output token ids (the last
 sampled token is never fed through the model, so no worker sees it as an input). Workers learn that
 a request finished only when the next batch is scheduled, which may never come on an idle server,
-so BEGIN and END come from here, through this engine's own ring (`engine.ring`).
+so BEGIN and END come from here, through this engine's own ring (`engine.ring`):
+  - BEGIN: the spec, the prompt, n and the model;
+  - END: the finish reason, the output tokens, the last computed position, and the spec and
+    source again, so a reader that missed the BEGIN still knows which positions were expected;
+  - LIVE: {"requests": [ids of the captures still running]}, about once a second while any
+    capture runs (checked once per scheduler step: nothing to do when nothing captures) and once
+    after the last one ends, so a reader can end a capture whose END it will never see (lost to a
+    full backlog, or consumed by a previous reader). A LIVE record is never queued: it is written
+    when the ring has room and nothing is waiting ahead of it, else skipped until the next one.
+
+Rules: the spec in a request's extra_args is decoded strictly; a malformed one means "no capture"
+with one logged error. No exception from this module reaches vLLM's scheduler: every patched
+method calls the original whatever the tap does, and tap faults are logged (rate-limited).
 """
 
 from __future__ import annotations
@@ -11,31 +24,60 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
+import time
 
 from vllm_tap import ring_format as rf
-from vllm_tap.hooks.settings import SPEC_EXTRA_ARG, instance_name, server_config
+from vllm_tap.hooks.settings import SPEC_EXTRA_ARG, TapConfigError, instance_name, server_config
 from vllm_tap.identity import N_EXTRA_ARG
-from vllm_tap.ring import RingWriter, ring_path
+from vllm_tap.ring import RingSpaceError, RingWriter, ring_path
+from vllm_tap.spec import CaptureOptionError, CaptureSpec
 
 log = logging.getLogger("vllm_tap.hooks")
 
 # Control records are tiny; this ring only needs room for a burst of BEGIN/ENDs with token lists.
 ENGINE_RING_BYTES = 16 << 20
+LIVE_INTERVAL_S = 1.0
+_MAX_N = 1 << 16
+
+
+class _RateLimitedLog:
+    """The first occurrence in full, then at most one line a minute saying how many followed."""
+
+    def __init__(self, every_s: float = 60.0):
+        self.every_s = every_s
+        self.count = 0
+        self._skipped = 0
+        self._next = 0.0
+
+    def __call__(self, msg: str, *args, exc_info: bool = False) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now < self._next:
+            self._skipped += 1
+            return
+        if self._skipped:
+            msg = f"{msg} ({self._skipped} more since the last report)"
+            self._skipped = 0
+        self._next = now + self.every_s
+        log.error(msg, *args, exc_info=exc_info)
 
 
 class EngineEvents:
-    def __init__(self, vllm_config):
-        cfg = server_config(vllm_config)
-        assert cfg is not None
+    def __init__(self, vllm_config, cfg):
         self.model = str(vllm_config.model_config.served_model_name or vllm_config.model_config.model)
         path = ring_path(cfg.shm_dir, instance_name(cfg, vllm_config), rf.ENGINE_RANK)
-        self.writer = RingWriter(
-            path, ENGINE_RING_BYTES, rank=rf.ENGINE_RANK, world_size=1,
-            mode=0o660 if cfg.group else 0o600, group=cfg.group,
-        )
-        self.capturing: set[str] = set()
-        self._lock = threading.Lock()
+        try:
+            self.writer = RingWriter(
+                path, ENGINE_RING_BYTES, rank=rf.ENGINE_RANK, world_size=1,
+                mode=0o660 if cfg.group else 0o600, group=cfg.group,
+            )
+        except RingSpaceError as e:
+            raise TapConfigError(str(e)) from None
+        self.capturing: dict[str, CaptureSpec] = {}  # request id -> its spec, BEGIN to END
+        self._next_live = 0.0
+        self._owe_live = False  # the LIVE after the last capture ended is still to be written
+        self.bad_spec = _RateLimitedLog()
+        self.fault = _RateLimitedLog()
         log.info("vllm-tap engine ring %s (pid %d)", path, os.getpid())
 
     def begin(self, request) -> None:
@@ -43,39 +85,63 @@ class EngineEvents:
         extra = getattr(sp, "extra_args", None) if sp is not None else None
         if not extra or SPEC_EXTRA_ARG not in extra:
             return
-        spec = extra[SPEC_EXTRA_ARG]
-        with self._lock:
-            self.capturing.add(request.request_id)
-            self.writer.write_control(
-                rf.RecordKind.BEGIN, request.request_id,
-                {
-                    "spec": spec, "num_prompt_tokens": int(request.num_prompt_tokens),
-                    "prompt_token_ids": list(request.prompt_token_ids or ()),
-                    "n": int(extra.get(N_EXTRA_ARG, 1)), "model": self.model,
-                },
-                tap_key=spec.get("key", ""),
-            )
+        rid = request.request_id
+        try:
+            spec = CaptureSpec.from_meta(extra[SPEC_EXTRA_ARG])
+        except CaptureOptionError as e:
+            # Only the API process writes this key and it refuses requests that bring their own;
+            # whoever got one past it gets no capture, and serving goes on.
+            self.bad_spec("vllm-tap: request %s carries a malformed capture spec; not capturing it (%s)", rid, e)
+            return
+        n = extra.get(N_EXTRA_ARG, 1)
+        n = n if type(n) is int and 1 <= n <= _MAX_N else 1
+        self.capturing[rid] = spec
+        self.writer.write_control(
+            rf.RecordKind.BEGIN, rid,
+            {
+                "spec": spec.to_meta(), "source": spec.source, "num_prompt_tokens": int(request.num_prompt_tokens),
+                "prompt_token_ids": list(request.prompt_token_ids or ()), "n": n, "model": self.model,
+            },
+            tap_key=spec.key,
+        )
 
     def end(self, request) -> None:
         rid = request.request_id
-        if rid not in self.capturing:
+        spec = self.capturing.pop(rid, None)
+        if spec is None:
             return
         reason = request.get_finished_reason()
         out = list(request.output_token_ids)
         n_prompt = int(request.num_prompt_tokens)
         # The model has computed every position but the last sampled token's.
         end_position = n_prompt + len(out) - 1 if out else int(request.num_computed_tokens)
-        with self._lock:
-            self.capturing.discard(rid)
-            self.writer.write_control(
-                rf.RecordKind.END, rid,
-                {
-                    "reason": reason.name.lower() if reason is not None else "finished",
-                    "num_prompt_tokens": n_prompt, "num_output_tokens": len(out),
-                    "output_token_ids": out, "end_position": end_position,
-                },
-                tap_key=request.sampling_params.extra_args[SPEC_EXTRA_ARG].get("key", ""),
-            )
+        self.writer.write_control(
+            rf.RecordKind.END, rid,
+            {
+                "reason": reason.name.lower() if reason is not None else "finished",
+                "num_prompt_tokens": n_prompt, "num_output_tokens": len(out),
+                "output_token_ids": out, "end_position": end_position,
+                "spec": spec.to_meta(), "source": spec.source,
+            },
+            tap_key=spec.key,
+        )
+        if not self.capturing:
+            self._owe_live = True
+            self.live(time.monotonic())
+
+    def step(self) -> None:
+        """Once per scheduler step."""
+        if not self.capturing and not self._owe_live:
+            return
+        now = time.monotonic()
+        if now >= self._next_live or self._owe_live:
+            self.live(now)
+
+    def live(self, now: float) -> None:
+        self._next_live = now + LIVE_INTERVAL_S
+        if self.writer.write_control_if_room(rf.RecordKind.LIVE, "", {"requests": list(self.capturing)}):
+            self._owe_live = False
+        # else: the ring is full or control records wait ahead of it; a later step tries again
 
 
 def patch_module(module) -> None:
@@ -83,26 +149,48 @@ def patch_module(module) -> None:
     orig_init = cls.__init__
     orig_add = cls.add_request
     orig_free = cls._free_request
+    orig_schedule = cls.schedule
 
     @functools.wraps(orig_init)
     def __init__(self, vllm_config, *args, **kwargs):
         orig_init(self, vllm_config, *args, **kwargs)
-        self._vllm_tap = EngineEvents(vllm_config) if server_config(vllm_config) is not None else None
+        cfg = server_config(vllm_config)
+        self._vllm_tap = EngineEvents(vllm_config, cfg) if cfg is not None else None
 
     @functools.wraps(orig_add)
     def add_request(self, request):
         tap = self._vllm_tap
         if tap is not None and request.request_id not in self.requests:
-            tap.begin(request)
+            try:
+                tap.begin(request)
+            except Exception:
+                tap.fault("vllm-tap: BEGIN of request %s failed; it may be captured incompletely",
+                          request.request_id, exc_info=True)
         return orig_add(self, request)
 
     @functools.wraps(orig_free)
     def _free_request(self, request, *args, **kwargs):
         tap = self._vllm_tap
         if tap is not None:
-            tap.end(request)
+            try:
+                tap.end(request)
+            except Exception:
+                tap.fault("vllm-tap: END of request %s failed; the daemon ends it when it no longer runs",
+                          request.request_id, exc_info=True)
         return orig_free(self, request, *args, **kwargs)
+
+    @functools.wraps(orig_schedule)
+    def schedule(self, *args, **kwargs):
+        out = orig_schedule(self, *args, **kwargs)
+        tap = self._vllm_tap
+        if tap is not None:
+            try:
+                tap.step()
+            except Exception:
+                tap.fault("vllm-tap: writing a LIVE record failed", exc_info=True)
+        return out
 
     cls.__init__ = __init__
     cls.add_request = add_request
     cls._free_request = _free_request
+    cls.schedule = schedule

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from vllm_tap.hooks import support
+from vllm_tap.hooks import preflight, support
 from vllm_tap.hooks.settings import TapConfigError, server_config
 from vllm_tap.spec import SERVER_CONFIG_KEY
 
@@ -42,6 +42,7 @@ def patch_module(module) -> None:
                 cfg = server_config(config)
                 if cfg is not None:
                     support.check_config(config, cfg.layers)
+                    preflight.check(config, cfg)
                     log.info("vllm-tap: %s model runner", "V2" if support.uses_v2_runner(config) else "V1")
             except TapConfigError as e:
                 if type(self).__name__ == "AsyncEngineArgs":

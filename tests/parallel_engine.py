@@ -2,8 +2,9 @@
 
     python parallel_engine.py MODEL SHM INSTANCE --tp 2 [--pp 1] [--eager]
 
-Generates greedily for the PROMPTS below with tap_key "<INSTANCE>-<i>" and prints one JSON line
-with each request's prompt and output token ids. Run as its own process: one vLLM engine per
+Generates greedily for the PROMPTS below with tap_key "<INSTANCE>-<i>", and for POLICY_PROMPTS with no
+tap option at all (the server's capture policy, POLICY, picks half of them by their request ids
+"3" … "10"), and prints one JSON line with each request's id, prompt and output token ids. Run as its own process: one vLLM engine per
 parallel layout, and the distributed environment does not survive being torn down in-process.
 """
 
@@ -14,6 +15,8 @@ import json
 import os
 
 PROMPTS = [[(13 * i + 5 * k) % 500 + 3 for k in range(n)] for i, n in enumerate((6, 45, 19))]
+POLICY_PROMPTS = [[(17 * i + 3 * k) % 500 + 3 for k in range(5 + 3 * i)] for i in range(8)]
+POLICY = {"share": 0.5, "positions": "output", "layers": [1, 4]}
 
 
 def main() -> None:
@@ -35,12 +38,15 @@ def main() -> None:
     llm = LLM(
         a.model, dtype="float32", tensor_parallel_size=a.tp, pipeline_parallel_size=a.pp, enforce_eager=a.eager,
         gpu_memory_utilization=0.1, max_model_len=512, max_num_batched_tokens=32, block_size=32,
-        additional_config={"vllm_tap": {"shm_dir": a.shm, "instance": a.instance, "ring_bytes": 16 << 20}},
+        additional_config={"vllm_tap": {"shm_dir": a.shm, "instance": a.instance, "ring_bytes": 16 << 20,
+                                        "policy": POLICY}},
     )
     params = [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
                              extra_args={"tap": 1, "tap_key": f"{a.instance}-{i}"}) for i in range(len(PROMPTS))]
-    outs = llm.generate([prompt_text(p) for p in PROMPTS], params)
-    print("RESULT " + json.dumps([{"prompt": list(o.prompt_token_ids), "output": list(o.outputs[0].token_ids)} for o in outs]), flush=True)
+    params += [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)] * len(POLICY_PROMPTS)
+    outs = llm.generate([prompt_text(p) for p in PROMPTS + POLICY_PROMPTS], params)
+    print("RESULT " + json.dumps([{"id": o.request_id, "prompt": list(o.prompt_token_ids),
+                                   "output": list(o.outputs[0].token_ids)} for o in outs]), flush=True)
 
 
 if __name__ == "__main__":

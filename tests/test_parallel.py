@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 
 from reference import hf_forward, tiny_model
-from vllm_tap.client import Client
+from parallel_engine import POLICY, PROMPTS
+from vllm_tap.client import CaptureNotFound, Client
+from vllm_tap.policy import selects
 from vllm_tap.tools.launch import DaemonHandle
 from vllm_tap.ring import read_info
 
@@ -46,7 +48,14 @@ def runs():
             results[name] = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
         with Client(daemon.endpoint) as c:
             caps = {(name, i): c.fetch(f"{name}-{i}", instance=name, timeout=60)
-                    for name in LAYOUTS for i in range(len(results[name]))}
+                    for name in LAYOUTS for i in range(len(PROMPTS))}
+            for name in LAYOUTS:  # the policy's captures, named by their offline request ids
+                for req in results[name][len(PROMPTS):]:
+                    if selects(req["id"], POLICY["share"]):
+                        caps[(name, req["id"])] = c.fetch(req["id"], instance=name, timeout=60)
+                    else:
+                        with pytest.raises(CaptureNotFound):
+                            c.fetch(req["id"], instance=name, timeout=0.5)
         rings = {name: {os.path.basename(p): read_info(p) for p in glob.glob(os.path.join(shm, name, "rank-*.ring"))}
                  for name in LAYOUTS}
         yield results, caps, rings, model
@@ -59,7 +68,7 @@ def runs():
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_parallel_capture_equals_tp1_and_transformers(runs, layout):
     results, caps, _, model = runs
-    for i, req in enumerate(results[layout]):
+    for i, req in enumerate(results[layout][: len(PROMPTS)]):
         assert req == results["tp1"][i], "same greedy tokens"
         cap, ref = caps[(layout, i)], caps[("tp1", i)]
         seq = req["prompt"] + req["output"]
@@ -73,6 +82,28 @@ def test_parallel_capture_equals_tp1_and_transformers(runs, layout):
         for layer in cap.hidden:
             assert np.abs(cap.hidden[layer] - ref.hidden[layer]).max() <= TOL
             assert np.abs(cap.hidden[layer] - hf_hidden[layer]).max() <= TOL
+
+
+def test_the_policy_selects_the_same_requests_at_every_parallel_layout(runs):
+    """The policy is decided in the API process (here the offline LLM's) from the request id and
+    stamped into the request, so every rank of every layout captures the same requests."""
+    results, caps, _, _ = runs
+    ids = [req["id"] for req in results["tp1"][len(PROMPTS):]]
+    chosen = [rid for rid in ids if selects(rid, POLICY["share"])]
+    assert 0 < len(chosen) < len(ids)
+    for layout in LAYOUTS:
+        assert [req["id"] for req in results[layout][len(PROMPTS):]] == ids
+        assert sorted(rid for (name, rid) in caps if name == layout and isinstance(rid, str)) == sorted(chosen)
+    for rid in chosen:
+        ref = caps[("tp1", rid)]
+        P = ref.num_prompt_tokens
+        assert list(ref.positions) == list(range(P - 1, P + 4)) and sorted(ref.hidden) == [1, 4]
+        for layout in ("tp2", "pp2"):
+            cap = caps[(layout, rid)]
+            assert list(cap.positions) == list(ref.positions) and not list(cap.missing_positions)
+            assert np.abs(cap.logits - ref.logits).max() <= TOL
+            for layer in (1, 4):
+                assert np.abs(cap.hidden[layer] - ref.hidden[layer]).max() <= TOL
 
 
 def test_each_tensor_parallel_rank_carries_its_share(runs):

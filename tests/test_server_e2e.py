@@ -139,7 +139,7 @@ def test_every_option_against_the_full_capture(stack):
     variants = {
         "full": {"tap": 1},
         "topk": {"tap_logits": "topk", "tap_topk": 5, "tap_layers": "none"},
-        "indices": {"tap_logits": "indices", "tap_indices": [4, 40, 400], "tap_layers": 2},
+        "indices": {"tap_logits": "indices", "tap_indices": [4, 40, 400], "tap_layers": [2]},
         "no_logits": {"tap_logits": "none", "tap_layers": [0, 4]},
         "prompt": {"tap_positions": "prompt"},
         "output": {"tap_positions": "output"},
@@ -189,6 +189,10 @@ def test_every_option_against_the_full_capture(stack):
         ({"tap_dtype": "int8"}, "tap_dtype"),
         ({"tap_frobnicate": 1}, "tap_frobnicate"),
         ({"tap": "maybe"}, "tap"),
+        ({"tapkey": "job-1"}, "tapkey"),
+        ({"tap_layers": []}, "tap_layers"),
+        ({"tap_layers": True}, "tap_layers"),
+        ({"vllm_tap_spec": "x"}, "vllm_tap_spec"),
     ],
 )
 def test_invalid_option_is_http_400_and_server_keeps_serving(stack, xargs, needle):

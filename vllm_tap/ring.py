@@ -1,10 +1,23 @@
 """Single-producer / single-consumer record ring in a shared-memory file.
 
 The writer lives in a serving process and must never wait for the reader: when a record does not
-fit it is dropped, counted in the header, and reported per request through a DROP control record
-(control records are never dropped; they queue in the writer until there is room). Writers reserve
-space, fill the payload (possibly asynchronously, by a device-to-host copy), then commit; commits
-publish in reservation order, so the reader only ever sees whole records.
+fit it is dropped, counted in the header, and reported per request through a DROP control record.
+Control records queue in the writer until there is room, in a bounded backlog (records and bytes):
+beyond it they are dropped and counted (`control_dropped`), so a stalled or absent reader never
+grows the serving process's memory. Writers reserve space, fill the payload (possibly
+asynchronously, by a device-to-host copy), then commit; commits publish in reservation order, so
+the reader only ever sees whole records.
+
+The writer must never fault the process it lives in:
+  - a ring's whole size is reserved when it is created (posix_fallocate), so a full /dev/shm is a
+    `RingSpaceError` at start-up, never a SIGBUS when a sparse page is first touched;
+  - before it stores, the writer checks that its file still has its size (one fstat at a step's
+    first reservation, one at its commit, one per control record). A file someone truncated is
+    abandoned: every later write is dropped and counted in the process (`lost()`), one error is
+    logged, serving goes on. What no check in Python can close is a truncation between that fstat
+    and the stores after it (microseconds; for a reservation, until its payload is filled and
+    committed, a step): only file permissions keep other processes from truncating a ring (see
+    the ring's mode and group).
 
 The reader persists its cursor in the file, so a restarted daemon resumes exactly where the last
 one stopped; a restarted writer creates a fresh file (new inode, new epoch) that the reader notices.
@@ -50,6 +63,34 @@ _ROW_DTYPE = np.dtype("<i4")
 
 class RingFormatError(RuntimeError):
     """The file is not a ring this version can read."""
+
+
+class RingSpaceError(RuntimeError):
+    """The file system cannot hold a ring of the asked size. One line: the directory, the space
+    needed and what is free, and the setting to change."""
+
+    def __init__(self, directory: str, needed: int, free: int):
+        self.directory, self.needed, self.free = directory, needed, free
+        super().__init__(
+            f"vllm-tap: no room for a {_mib(needed)} ring in {directory} ({_mib(free)} free): give that file "
+            f"system more room (containers: --shm-size) or lower vllm_tap.ring_bytes"
+        )
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still allocate on the file system holding `path` (or its
+    nearest existing parent)."""
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 def instance_dir(shm_dir: str, instance: str) -> str:
@@ -114,6 +155,8 @@ class RingWriter:
         group: str | None = None,
         block_timeout: float = 0.0,
         wake_daemon: bool = True,
+        max_backlog_records: int = 1 << 15,
+        max_backlog_bytes: int = 8 << 20,
     ):
         if capacity < 4 * rf.ALIGN or capacity % rf.ALIGN:
             raise ValueError(f"ring capacity must be a multiple of {rf.ALIGN} and at least {4 * rf.ALIGN}")
@@ -126,6 +169,7 @@ class RingWriter:
         # Build the file beside its final name and rename it in: a reader never sees a half header,
         # and a restarted writer gets a new inode that the reader can tell from the old one.
         tmp = f"{path}.{os.getpid()}.tmp"
+        self._size = rf.HEADER_SIZE + capacity
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
         try:
             if group is not None:
@@ -134,10 +178,24 @@ class RingWriter:
                     os.fchmod(fd, mode | 0o060)
                 except PermissionError:
                     log.warning("cannot give %s to group %s", path, group)
-            os.ftruncate(fd, rf.HEADER_SIZE + capacity)
-            self._mm = mmap.mmap(fd, rf.HEADER_SIZE + capacity)
-        finally:
+            try:
+                # Every page now, not on first touch: a tmpfs that cannot back a page of a sparse
+                # mapping kills the writer with SIGBUS, and nothing can catch that.
+                os.posix_fallocate(fd, 0, self._size)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise
+                raise RingSpaceError(dirname, self._size, free_bytes(dirname)) from None
+            self._mm = mmap.mmap(fd, self._size)
+        except BaseException:
             os.close(fd)
+            os.unlink(tmp)
+            raise
+        # Kept open: one fstat before each store tells whether someone truncated the file.
+        self._fd = fd
+        self._dead = False
+        self._checked = False  # size checked since the last commit
+        self._lost = {"records": 0, "control": 0}
         self._buf = np.frombuffer(self._mm, np.uint8)
         self._data = self._buf[rf.HEADER_SIZE :]
         self.epoch = time.time_ns()
@@ -155,8 +213,12 @@ class RingWriter:
         self._reserved = 0  # cursor just past the last reservation
         self._pending: collections.deque[Reservation] = collections.deque()
         self._lock = threading.Lock()
-        # Control records (BEGIN/END/DROP) wait here when the ring is full, in order.
-        self._backlog: collections.deque[tuple[rf.RecordKind, str, str, dict[str, Any]]] = collections.deque()
+        # Control records (BEGIN/END/DROP) wait here when the ring is full, in order, packed:
+        # (kind, key section, msgpack meta). Bounded by count and by bytes.
+        self._backlog: collections.deque[tuple[rf.RecordKind, bytes, bytes]] = collections.deque()
+        self._backlog_bytes = 0
+        self.max_backlog_records = max_backlog_records
+        self.max_backlog_bytes = max_backlog_bytes
         # Rings live in <shm_dir>/<instance>/; the daemon's doorbell is in <shm_dir>.
         self._doorbell = DoorbellPush(doorbell_path(os.path.dirname(dirname))) if wake_daemon else None
 
@@ -166,7 +228,47 @@ class RingWriter:
         return self._mm
 
     def stats(self) -> dict[str, int]:
+        if self._dead:
+            return dict(self._stats_at_death)
         return {k: c.get() for k, c in self._stats.items()}
+
+    def lost(self) -> dict[str, int]:
+        """What was dropped after the ring was abandoned (its header can no longer count it):
+        DATA records and control records."""
+        return dict(self._lost)
+
+    @property
+    def abandoned(self) -> bool:
+        return self._dead
+
+    def backlog_records(self) -> int:
+        return len(self._backlog)
+
+    def backlog_bytes(self) -> int:
+        return self._backlog_bytes
+
+    def _usable(self) -> bool:
+        """False once the file lost its size (callers hold the lock, or run before any store)."""
+        if self._dead or self._fd < 0:
+            return False
+        try:
+            size = os.fstat(self._fd).st_size
+        except OSError:
+            size = -1
+        if size == self._size:
+            return True
+        self._dead = True
+        # The header can be read while the file still covers it; else reading would fault too.
+        self._stats_at_death = ({k: c.get() for k, c in self._stats.items()} if size >= rf.HEADER_SIZE
+                                else {k: 0 for k in rf.STATS_FIELDS})
+        self._lost["control"] += len(self._backlog)
+        self._backlog.clear()
+        self._backlog_bytes = 0
+        self._pending.clear()
+        log.error("vllm-tap: ring %s changed size under its writer (%d bytes, expected %d): it is abandoned, "
+                  "captures through it are dropped from now on; restart vLLM to get a new ring "
+                  "(and check who can write to %s)", self.path, size, self._size, os.path.dirname(self.path))
+        return False
 
     def _bump(self, name: str, by: int = 1) -> None:
         c = self._stats[name]
@@ -243,9 +345,7 @@ class RingWriter:
 
     # -- control records --
 
-    def _write_control_now(self, kind: rf.RecordKind, request_id: str, tap_key: str, meta: dict) -> bool:
-        key = request_id.encode() + rf.KEY_SEPARATOR + tap_key.encode()
-        mb = msgpack.packb(meta, use_bin_type=True)
+    def _write_control_now(self, kind: rf.RecordKind, key: bytes, mb: bytes) -> bool:
         *_, payload_off = rf.body_layout(len(key), len(mb), 0)
         total = rf.align_up(payload_off)
         got = self._try_reserve(total)
@@ -258,28 +358,75 @@ class RingWriter:
         return True
 
     def _flush_backlog(self) -> bool:
-        while self._backlog:
-            if not self._write_control_now(*self._backlog[0]):
-                self._stats["control_backlog"].set(len(self._backlog))
+        backlog = self._backlog
+        while backlog:
+            entry = backlog[0]
+            if not self._write_control_now(*entry):
+                self._stats["control_backlog"].set(len(backlog))
+                self._publish()
                 return False
-            self._backlog.popleft()
+            backlog.popleft()
+            self._backlog_bytes -= len(entry[1]) + len(entry[2])
         self._stats["control_backlog"].set(0)
         self._publish()
         return True
 
-    def write_control(self, kind: rf.RecordKind, request_id: str, meta: dict[str, Any], tap_key: str = "") -> None:
-        """Queue a BEGIN/END/DROP record; it is written now if there is room, else on a later call."""
+    def _enqueue(self, kind: rf.RecordKind, request_id: str, tap_key: str, meta: Any) -> bool:
+        """Queue one control record behind the others; False (dropped and counted) when the
+        backlog is at its bound. Callers hold the lock."""
+        if len(self._backlog) >= self.max_backlog_records:
+            self._bump("control_dropped")
+            return False
+        key = request_id.encode() + rf.KEY_SEPARATOR + tap_key.encode()
+        mb = msgpack.packb(meta, use_bin_type=True)
+        size = len(key) + len(mb)
+        if self._backlog and self._backlog_bytes + size > self.max_backlog_bytes:
+            self._bump("control_dropped")
+            return False
+        if rf.align_up(rf.body_layout(len(key), len(mb), 0)[-1]) > self.capacity:
+            # It would never fit, and would hold back every control record queued after it.
+            self._bump("control_dropped")
+            log.warning("vllm-tap: a %s record of %d bytes for %s does not fit ring %s at all: dropped",
+                        kind.name, size, request_id, self.path)
+            return False
+        self._backlog.append((kind, key, mb))
+        self._backlog_bytes += size
+        return True
+
+    def write_control(self, kind: rf.RecordKind, request_id: str, meta: dict[str, Any], tap_key: str = "") -> bool:
+        """Queue a BEGIN/END/DROP record; it is written now if there is room, else on a later call.
+        False when it was dropped: the backlog was full (counted) or the ring abandoned."""
         with self._lock:
-            self._backlog.append((kind, request_id, tap_key, meta))
+            if not self._usable():
+                self._lost["control"] += 1
+                return False
+            queued = self._enqueue(kind, request_id, tap_key, meta)
             self._flush_backlog()
         self._wake()
+        return queued
+
+    def write_control_if_room(self, kind: rf.RecordKind, request_id: str, meta: dict[str, Any], tap_key: str = "") -> bool:
+        """Write a control record now or not at all (periodic records like LIVE, which the next
+        one supersedes): never queued, and never ahead of records still queued."""
+        with self._lock:
+            if not self._usable() or not self._flush_backlog():
+                return False
+            key = request_id.encode() + rf.KEY_SEPARATOR + tap_key.encode()
+            ok = self._write_control_now(kind, key, msgpack.packb(meta, use_bin_type=True))
+            if ok:
+                self._publish()
+        if ok:
+            self._wake()
+        return ok
 
     def flush(self) -> bool:
         """Retry queued control records; True when none are left waiting."""
         if not self._backlog:
             return True
         with self._lock:
-            done = self._flush_backlog()
+            done = self._usable() and self._flush_backlog()
+            if not self._backlog:
+                done = True
         self._wake()
         return done
 
@@ -351,11 +498,18 @@ class RingWriter:
         _, slots_off, _, ids_off, payload_off = rf.body_layout(0, len(meta), n)
         total = rf.align_up(payload_off + nbytes)
         with self._lock:
+            # Checked at the first reservation after a commit (a step's first record) and at the
+            # commit: one fstat each, not one per record.
+            if self._dead or (not self._checked and not self._usable()):
+                self._lost["records"] += 1
+                return None
+            self._checked = True
             if self._backlog:  # nothing queued: nothing to flush (and nothing left to publish)
                 self._flush_backlog()
             got = self._reserve_blocking(total)
             if got is None:
                 self._drop(table, rows[0], rows[1], tensor, total)
+                self._checked = False  # no commit may follow: check again at the next record
                 return None
             start, at = got
             rel = at % self.capacity
@@ -378,10 +532,8 @@ class RingWriter:
         positions = np.asarray(positions)
         for slot in np.unique(slots).tolist():
             ref = table.refs[slot]
-            self._backlog.append(
-                (rf.RecordKind.DROP, ref.request_id, ref.tap_key,
-                 {"tensor": int(tensor.kind), "layer": tensor.layer, "positions": positions[slots == slot].tolist()})
-            )
+            self._enqueue(rf.RecordKind.DROP, ref.request_id, ref.tap_key,
+                          {"tensor": int(tensor.kind), "layer": tensor.layer, "positions": positions[slots == slot].tolist()})
         self._stats["control_backlog"].set(len(self._backlog))
 
     def commit(self, res: Reservation) -> None:
@@ -390,6 +542,9 @@ class RingWriter:
     def commit_many(self, reservations: Iterable[Reservation]) -> None:
         """Commit several reservations at once (one lock, one publish): a step's records."""
         with self._lock:
+            self._checked = False
+            if not self._usable():
+                return  # their payloads were written before the check: nothing more to store
             for res in reservations:
                 res.done = True
             self._publish()
@@ -412,6 +567,9 @@ class RingWriter:
     def close(self, unlink: bool = False) -> None:
         if self._doorbell is not None:
             self._doorbell.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         self._buf = self._data = None  # type: ignore[assignment]
         self._write = self._read = None  # type: ignore[assignment]
         self._stats = {}

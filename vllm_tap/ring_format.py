@@ -30,16 +30,20 @@ IDENT_OFFSET = 0
 # Monotonic byte counts (never wrap); position in the data area is cursor % capacity.
 WRITE_CURSOR_OFFSET = 128
 READ_CURSOR_OFFSET = 192
-# Writer statistics, one u64 each, on their own line.
+# Writer statistics, one u64 each, on their own cache line (room for 8; a field added in the
+# unused tail of the line needs no version bump: a writer that does not know it leaves it 0).
 STATS_OFFSET = 256
 STATS_FIELDS = (
     "records_written",
     "bytes_written",
-    "records_dropped",
+    "records_dropped",  # DATA records that did not fit (each reported by DROP records)
     "bytes_dropped",
-    "control_backlog",
+    "control_backlog",  # control records waiting in the writer for room in the ring
     "last_write_ns",
+    "control_dropped",  # control records (BEGIN/END/DROP) dropped because the writer's bounded
+    #                     backlog was full: the reader cannot see them; LIVE records cover BEGIN/END
 )
+assert STATS_OFFSET + 8 * len(STATS_FIELDS) <= STATS_OFFSET + ALIGN
 # Reader liveness: pid and last poll time, so `status` can tell a stalled daemon.
 READER_OFFSET = 384
 _READER = struct.Struct("<IIQ")  # reader pid, pad, last_read_ns

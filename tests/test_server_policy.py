@@ -1,0 +1,405 @@
+"""A live OpenAI server with a capture policy: what the API process lets through, what the policy
+selects, position windows end to end, and that nothing a request or a stalled daemon does can
+kill vLLM or grow its memory.
+
+One vLLM server (eager; the compiled path is test_server_e2e's) and one `vllm-tap daemon` for the
+module. Its policy captures half of all requests (output positions, logits and layer 2) and lets a
+request's own tap* options win. Requests go out as raw JSON where the exact JSON type matters
+(vLLM's request model turns `true` into 1 before the tap sees it), through the openai SDK otherwise.
+The start-up checks (full shared memory, a model without hidden-state outputs) run servers of their
+own that must exit within seconds, before any engine starts. The daemon is stopped for the last
+test (vLLM's memory with nobody reading), so it runs last.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import numpy as np
+import pytest
+
+from reference import tiny_model
+from test_spec import BAD, NEEDS
+from vllm_tap.client import CaptureNotFound, Client
+from vllm_tap.client.records import CaptureBuilder
+from vllm_tap.policy import selects
+from vllm_tap.tools.launch import DaemonHandle, ServerHandle, cpu_server_args, free_port, tap_server_args
+from vllm_tap.tools.tiny_model import TinyLlamaSpec, prompt_text
+
+TOL = 1e-5
+SPEC = TinyLlamaSpec()
+POLICY = {"share": 0.5, "positions": "output", "layers": [2], "key": "traffic"}
+RING_BYTES = 8 << 20
+
+
+class Stack:
+    def __init__(self):
+        self.shm = tempfile.mkdtemp(prefix="vt-pol-", dir="/dev/shm")
+        self.tmp = tempfile.mkdtemp(prefix="vt-")
+        self.model = tiny_model(SPEC)
+        self.daemon = DaemonHandle(self.shm, f"ipc://{self.tmp}/tap.sock", os.path.join(self.tmp, "daemon.log"))
+        args = cpu_server_args(eager=True, max_num_batched_tokens=256)
+        self.server = ServerHandle(self.model, free_port(), os.path.join(self.tmp, "server.log"),
+                                   args + tap_server_args(self.shm, "pol", ring_bytes=RING_BYTES, policy=POLICY))
+
+    def __enter__(self):
+        import openai
+
+        self.daemon.start()
+        self.server.start(timeout=420)
+        self.openai = openai.OpenAI(base_url=self.server.base_url + "/v1", api_key="unused", max_retries=0)
+        self.client = Client(self.daemon.endpoint)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.stop()
+        self.daemon.stop()
+        self.client.close()
+        shutil.rmtree(self.shm, ignore_errors=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def post(self, body: dict, headers: dict | None = None, timeout: float = 120) -> tuple[int, dict]:
+        """A raw /v1/completions request: (HTTP status, JSON body)."""
+        body = {"model": self.model, "max_tokens": 1, **body}
+        req = urllib.request.Request(self.server.base_url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def complete(self, prompt, xargs=None, **kw):
+        body = dict(kw.pop("extra_body", {}))
+        body.setdefault("ignore_eos", True)
+        if xargs is not None:
+            body["vllm_xargs"] = xargs
+        kw.setdefault("temperature", 0.0)
+        kw.setdefault("max_tokens", 6)
+        return self.openai.completions.create(model=self.model, prompt=prompt, extra_body=body, **kw)
+
+    def alive(self) -> bool:
+        status, body = self.post({"prompt": "w5 w6"}, timeout=60)
+        return self.server.proc.poll() is None and status == 200 and body["choices"][0]["text"]
+
+    def sync(self) -> None:
+        """Wait until the daemon has read everything the engine ring holds now: one more capture,
+        fetched whole, whose END comes after every record written before it."""
+        r = self.complete("w9 w8 w7", {"tap": 1}, max_tokens=1)
+        self.client.fetch(r.id, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    with Stack() as s:
+        yield s
+
+
+def _fetch(stack, name: str):
+    """(Capture, CaptureBegin): fetch() plus the BEGIN it was built from (spec, source, tap_key)."""
+    sub = stack.client.subscribe(name, timeout=60)
+    builder = CaptureBuilder()
+    for item in sub.chunks():
+        builder.add(item)
+    return builder.build(sub.begin, sub.end), sub.begin
+
+
+def _ids(n: int, salt: int) -> list[int]:
+    return [(salt * 37 + 11 * i) % (SPEC.vocab_size - 3) + 3 for i in range(n)]
+
+
+def test_the_policy_captures_exactly_the_requests_its_hash_selects(stack):
+    run = uuid.uuid4().hex[:6]
+    prompts = [prompt_text(_ids(12 + i % 5, i % 10)) for i in range(40)]  # 10 distinct prompts, 4 times each
+    names = [f"pol-{run}-{i}" for i in range(40)]
+    # vLLM's request id for a one-prompt completion with X-Request-Id H is cmpl-H-0: the hash input.
+    chosen = [selects(f"cmpl-{n}-0", POLICY["share"]) for n in names]
+    assert 10 <= sum(chosen) <= 30
+    with cf.ThreadPoolExecutor(8) as pool:
+        resp = list(pool.map(lambda a: stack.complete(a[0], None, extra_headers={"X-Request-Id": a[1]}),
+                             zip(prompts, names)))
+        # The full capture of each distinct prompt, by the client's own options (client wins).
+        full = list(pool.map(lambda p: stack.complete(p, {"tap": 1}), prompts[:10]))
+    stack.sync()
+    full_caps = [_fetch(stack, r.id) for r in full]
+    assert all(begin.spec["source"] == "client" for _, begin in full_caps)
+    full_caps = [cap for cap, _ in full_caps]
+    for i, (r, name, sel) in enumerate(zip(resp, names, chosen)):
+        if not sel:
+            with pytest.raises(CaptureNotFound):
+                stack.client.fetch(name, timeout=0.5)
+            continue
+        cap, begin = _fetch(stack, name)
+        ref = full_caps[i % 10]
+        P = cap.num_prompt_tokens
+        assert begin.spec["source"] == "policy" and begin.tap_key == "traffic" and cap.response_id == r.id
+        assert begin.spec["positions"] == "output" and begin.spec["layers"] == [2]
+        assert list(cap.positions) == list(range(P - 1, ref.positions[-1] + 1)) and not list(cap.missing_positions)
+        assert sorted(cap.hidden) == [2]
+        np.testing.assert_allclose(cap.logits, ref.logits[P - 1 :], atol=TOL)
+        np.testing.assert_allclose(cap.hidden[2], ref.hidden[2][P - 1 :], atol=TOL)
+    # tap: 0 keeps a request the policy would select out of it.
+    name = next(f"out-{run}-{k}" for k in range(100) if selects(f"cmpl-out-{run}-{k}-0", POLICY["share"]))
+    stack.complete("w3 w4", {"tap": 0}, extra_headers={"X-Request-Id": name})
+    stack.sync()
+    with pytest.raises(CaptureNotFound):
+        stack.client.fetch(name, timeout=0.5)
+
+
+WINDOWS = {  # form -> the positions it holds for P = 20 prompt tokens and 10 generated (0 … 28 computed)
+    "prompt[-16:]": range(4, 20), "output[:4]": range(19, 23), "output[2:4]": range(21, 23),
+    "all[5:9]": range(5, 9), "[5, 9]": range(5, 9), "all[25:]": range(25, 29), "prompt[:-18]": range(0, 2),
+    "last_prompt": range(19, 20), "last_output": range(28, 29),
+}
+TAILS = {"output[-3:]": range(26, 29), "all[-2:]": range(27, 29)}  # the daemon keeps the last N at the END
+
+
+def _daemon_keeps_tails() -> bool:
+    """Whether this daemon's reassembler delivers the last N positions of a tail window (N > 1)."""
+    import numpy as np
+
+    from vllm_tap import ring_format as rf
+    from vllm_tap.daemon.reassembly import Reassembler, Tokens
+    from vllm_tap.records import RingRecord, TensorId
+    from vllm_tap.spec import CaptureSpec
+
+    r = Reassembler()
+    meta = {"spec": CaptureSpec(positions="output[-2:]").to_meta(), "num_prompt_tokens": 2, "n": 1}
+    events = r.feed(RingRecord(kind=rf.RecordKind.BEGIN, request_id="t", rank=rf.ENGINE_RANK, ring="engine.ring",
+                               meta=meta), 0.0)
+    for step, p in enumerate((1, 2, 3)):
+        pos = np.array([p], np.int32)
+        events += r.feed(RingRecord(kind=rf.RecordKind.DATA, request_id="t", step=step, tensor=TensorId(rf.TensorKind.LOGITS),
+                                    dtype=rf.DType.FLOAT32, slice_stop=1, full_dim=1, num_prompt_tokens=2, positions=pos,
+                                    token_ids=pos, data=np.zeros((1, 1), np.float32), ring="rank-00000.ring"), 0.0)
+    events += r.feed(RingRecord(kind=rf.RecordKind.END, request_id="t", rank=rf.ENGINE_RANK, ring="engine.ring",
+                                meta={"reason": "length", "num_prompt_tokens": 2, "end_position": 4}), 0.0)
+    return [int(p) for e in events if isinstance(e, Tokens) for p in e.positions] == [2, 3]
+
+
+def _windows_against_the_full_capture(stack, windows: dict) -> None:
+    prompt = prompt_text(_ids(20, 77))
+    forms = {"full": {"tap": 1}}
+    forms.update({w: {"tap_positions": json.loads(w) if w.startswith("[") else w} for w in windows})
+    with cf.ThreadPoolExecutor(len(forms)) as pool:
+        resp = dict(zip(forms, pool.map(lambda x: stack.complete(prompt, x, max_tokens=10), forms.values())))
+    caps = {name: stack.client.fetch(r.id, timeout=60) for name, r in resp.items()}
+    full = caps["full"]
+    assert list(full.positions) == list(range(29))
+    for form, rng in windows.items():
+        cap = caps[form]
+        assert list(cap.positions) == list(rng), form
+        assert not list(cap.missing_positions), form
+        np.testing.assert_allclose(cap.logits, full.logits[rng.start : rng.stop], atol=TOL, err_msg=form)
+        for layer, h in cap.hidden.items():
+            np.testing.assert_allclose(h, full.hidden[layer][rng.start : rng.stop], atol=TOL, err_msg=form)
+
+
+def test_every_window_form_against_the_full_capture(stack):
+    _windows_against_the_full_capture(stack, WINDOWS)
+
+
+@pytest.mark.xfail(not _daemon_keeps_tails(), strict=True,
+                   reason="this daemon's reassembler delivers only the last position of a tail window (helper H1's work)")
+def test_tail_windows_are_the_last_n_positions(stack):
+    _windows_against_the_full_capture(stack, TAILS)
+
+
+@pytest.mark.parametrize("window", ["middle", "output[:-1]", "all[-5:10]", "output[3:3]", "prompt[-2:-4]",
+                                    "output[ 1:]", [1], [1, 2, 3], [-1, 4], [7, 2], ["output"], 3, 2.5])
+def test_a_malformed_window_is_http_400_naming_the_option(stack, window):
+    status, body = stack.post({"prompt": "w5 w6", "vllm_xargs": {"tap_positions": window}})
+    assert status == 400 and "tap_positions" in body["error"]["message"], body
+
+
+# Every JSON type, raw: what vLLM's request model refuses itself (null, objects, nested lists) is a
+# 400 too, just not worded by the tap.
+JSON_VALUES = ["x", "", 0, 1, -7, 1.5, True, False, None, [], [1, "a", 2.5], {"logits": "full"}, [[1]]]
+RESERVED = ["vllm_tap_spec", "vllm_tap_n", "vllm_tap", "vllm_tap_anything", "VLLM_TAP_SPEC"]
+
+
+@pytest.mark.parametrize("key", RESERVED)
+def test_reserved_keys_with_every_json_type_are_refused_and_the_server_lives(stack, key):
+    for value in JSON_VALUES:
+        for also in ({}, {"tap": 1}):
+            status, body = stack.post({"prompt": "w5 w6", "vllm_xargs": {key: value, **also}})
+            assert status == 400, (key, value, body)
+            if value is not None and not isinstance(value, dict) and value != [[1]]:
+                assert key in body["error"]["message"], (key, value, body)
+    assert stack.alive()
+
+
+def test_a_sample_of_every_option_with_every_wrong_json_type_is_http_400_naming_it(stack):
+    sent = 0
+    for option, values in BAD.items():
+        # JSON true arrives as 1, which tap and tap_topk accept; null and objects vLLM refuses itself.
+        extra = [None, {"a": 1}] + ([] if option in ("tap", "tap_topk") else [True])
+        for value in values[:4] + extra:
+            status, body = stack.post({"prompt": "w5 w6", "vllm_xargs": {**NEEDS.get(option, {}), option: value}})
+            assert status == 400, (option, value, body)
+            if value is not None and not isinstance(value, dict):
+                assert f"{option}:" in body["error"]["message"], (option, value, body)
+            sent += 1
+    assert sent > 60 and stack.alive()
+
+
+def test_a_client_may_send_a_capture_spec_only_as_tap_options(stack):
+    """The internal key smuggled in with a valid-looking value, by HTTP: refused, never trusted."""
+    status, body = stack.post({"prompt": "w5 w6", "vllm_xargs": {"vllm_tap_spec": "x"}})
+    assert status == 400 and "vllm_tap_spec: reserved" in body["error"]["message"]
+    assert stack.alive()
+
+
+def _start_failure(model: str, shm: str, **settings) -> tuple[int, float, list[str]]:
+    tmp = tempfile.mkdtemp(prefix="vt-fail-")
+    try:
+        log = os.path.join(tmp, "server.log")
+        server = ServerHandle(model, free_port(), log, cpu_server_args(eager=True) + tap_server_args(shm, "x", **settings))
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError):
+            server.start(timeout=300)
+        took = time.monotonic() - t0
+        with open(log) as f:
+            return server.proc.returncode, took, f.read().splitlines()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _no_engine_started(lines: list[str]) -> bool:
+    text = "\n".join(lines)
+    return "Traceback" not in text and "EngineCore" not in text and "Loading weights" not in text
+
+
+def test_shared_memory_too_small_for_the_rings_stops_start_up_with_one_line():
+    mnt = tempfile.mkdtemp(prefix="vt-tmpfs-")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", mnt], capture_output=True)
+    if r.returncode != 0:
+        os.rmdir(mnt)
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        code, took, lines = _start_failure(tiny_model(SPEC), os.path.join(mnt, "vllm-tap"))
+        assert code != 0
+        assert lines[-1].startswith(f"error: vllm-tap: {mnt}/vllm-tap has ") and "ring_bytes" in lines[-1], lines[-3:]
+        assert "256.0 MiB" in lines[-1] and "--shm-size" in lines[-1]
+        assert _no_engine_started(lines), "failed before any engine started"
+        print(f"\nfull shm: exit {code} after {took:.1f} s: {lines[-1]}")
+    finally:
+        subprocess.run(["umount", "-l", mnt], check=False)
+        os.rmdir(mnt)
+
+
+def _tiny_opt() -> str:
+    path = os.path.join(os.path.dirname(tiny_model(SPEC)), "tiny-opt")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        from transformers import OPTConfig, OPTForCausalLM
+
+        cfg = OPTConfig(vocab_size=SPEC.vocab_size, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
+                        num_attention_heads=2, max_position_embeddings=2048, word_embed_proj_dim=64)
+        OPTForCausalLM(cfg).save_pretrained(path)
+        src = tiny_model(SPEC)
+        for f in os.listdir(src):
+            if f.startswith(("tokenizer", "special_tokens")):
+                shutil.copy(os.path.join(src, f), path)
+    return path
+
+
+def test_a_model_without_hidden_state_outputs_stops_start_up_with_one_line():
+    code, took, lines = _start_failure(_tiny_opt(), "/dev/shm/vt-opt-unused")
+    assert code != 0
+    assert lines[-1].startswith("error: vllm-tap: OPTForCausalLM has no auxiliary hidden-state outputs"), lines[-3:]
+    assert '"layers": "none"' in lines[-1]
+    assert _no_engine_started(lines), "failed before any engine started"
+    print(f"\nOPT with layers: exit {code} after {took:.1f} s")
+
+
+def _rss_mib(pgid: int) -> dict[int, tuple[str, float]]:
+    out = {}
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            if os.getpgid(int(p)) != pgid:
+                continue
+            with open(f"/proc/{p}/status") as f:
+                st = dict(line.split(":", 1) for line in f if ":" in line)
+            out[int(p)] = (st["Name"].strip(), int(st["VmRSS"].split()[0]) / 1024)
+        except (OSError, KeyError, ValueError):
+            continue
+    return out
+
+
+def test_vllm_memory_stays_flat_while_the_daemon_is_stopped(stack):
+    """32 capturing requests at a time for a minute with nobody reading the rings: they fill, every
+    record after that is dropped, and the control records that report the drops must not pile up in
+    vLLM's memory (they did: +358 MiB in the worker over the same minute here, before the fix).
+    The first 25 s are a warm-up: a cold vLLM worker itself grows some 50 MiB under a new load
+    shape before it levels off, capture or not."""
+    stack.daemon.stop()
+    stop_at = time.monotonic() + 85
+    done = [0]
+    lock = threading.Lock()
+    errors: list[str] = []
+
+    def loop(i: int) -> None:
+        while time.monotonic() < stop_at:
+            status, body = stack.post({"prompt": prompt_text(_ids(16, i)), "max_tokens": 64, "ignore_eos": True,
+                                       "vllm_xargs": {"tap": 1}})
+            if status == 200:
+                with lock:
+                    done[0] += 1
+            else:
+                errors.append(str(body)[:200])
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    time.sleep(25)  # rings full and the backlog at its bound by now, the server warm
+    before = _rss_mib(stack.server.proc.pid)
+    for t in threads:
+        t.join()
+    after = _rss_mib(stack.server.proc.pid)
+    growth = {before[p][0]: after[p][1] - before[p][1] for p in before if p in after}
+    rings = {os.path.basename(p): json.dumps(_ring_stats(p)) for p in _rings(stack)}
+    print(f"\n{done[0]} requests in 85 s; RSS growth over the last 60 s (MiB): {growth}; rings: {rings}")
+    assert not errors, errors[:3]
+    assert done[0] >= 64
+    for p in _rings(stack):
+        s = _ring_stats(p)
+        assert s["records_dropped"] > 0 or s["control_dropped"] > 0 or os.path.basename(p) == "engine.ring"
+    assert all(g < 48 for g in growth.values()), growth
+    assert stack.server.proc.poll() is None
+
+
+def _rings(stack) -> list[str]:
+    d = os.path.join(stack.shm, "pol")
+    return [os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith(".ring")]
+
+
+def _ring_stats(path: str) -> dict:
+    from vllm_tap.ring import read_info
+
+    return read_info(path).stats
+
+
+def test_a_worker_ring_truncated_under_vllm_is_abandoned_and_serving_goes_on(stack):
+    """Anyone who can write a ring file can shrink it; the next store into it would be a SIGBUS in
+    the worker. Runs after the memory test: the ring is useless afterwards."""
+    ring = os.path.join(stack.shm, "pol", "rank-00000.ring")
+    os.truncate(ring, 0)
+    for i in range(6):
+        status, body = stack.post({"prompt": prompt_text(_ids(8, i)), "max_tokens": 4, "vllm_xargs": {"tap": 1}})
+        assert status == 200, body
+    assert stack.alive()
+    with open(stack.server.log_path, errors="replace") as f:
+        log = f.read()
+    assert log.count("changed size under its writer") == 1
