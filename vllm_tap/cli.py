@@ -166,6 +166,12 @@ def status(endpoint: str | None, as_json: bool, timeout: float) -> None:
     click.echo(json.dumps(s, indent=2, sort_keys=True) if as_json else _status_text(s))
 
 
+# -- record, export (datasets; vllm_tap.dataset_cli) --
+
+from vllm_tap.dataset_cli import register as _register_datasets  # noqa: E402
+
+_register_datasets(main)
+
 # -- bench (its module imports only click and the stdlib; each part imports what it needs) --
 
 from vllm_tap.tools.bench.cli import bench as _bench  # noqa: E402
