@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from vllm_tap import wire_format as wf
 from vllm_tap.identity import identify
@@ -41,6 +42,7 @@ class Entry:
     names: tuple[str, ...]
     history: list[Event] = field(default_factory=list)
     nbytes: int = 0
+    seq: int = 0  # the capture's sequence number (daemon/watch.py gives it when the Begin is filed)
     finished_at: float | None = None
     end: End | None = None
 
@@ -73,6 +75,8 @@ class Store:
         self._serial = 0
         self.retained_bytes = 0
         self.evictions = 0
+        # Told of every capture let go (evicted or replaced), with the reason: watchers report it.
+        self.on_drop: Callable[[Entry, str], None] | None = None
 
     # -- stats --
 
@@ -138,6 +142,8 @@ class Store:
                     del self._by_name[name]
 
     def _drop(self, e: Entry, why: str) -> None:
+        if self.on_drop is not None:
+            self.on_drop(e, why)
         self._unindex(e)
         del self._entries[e.key]
         if e.key in self._finished:

@@ -28,6 +28,7 @@ if TESTS_DIR not in sys.path:
 DAEMON_FLAGS = {
     "retain_bytes": "--retain-bytes", "retain_ttl_s": "--retain-ttl", "end_grace_s": "--end-grace",
     "poll_interval_s": "--poll-interval", "subscriber_queue": "--subscriber-queue", "log_level": "--log-level",
+    "state_dir": "--state-dir",
 }
 
 
@@ -129,6 +130,8 @@ def daemon_factory(shm_dir, sock_dir):
 
     def make(*, start: bool = True, endpoint: str | None = None, **settings) -> DaemonProcess:
         settings.setdefault("log_level", "INFO")
+        # Its own sequence state (kept across restarts of this DaemonProcess), never the user's default.
+        settings.setdefault("state_dir", os.path.join(sock_dir, f"state{len(made)}"))
         d = DaemonProcess(shm_dir, endpoint or f"ipc://{sock_dir}/d{len(made)}.sock",
                           os.path.join(sock_dir, f"daemon{len(made)}.log"), settings)
         made.append(d)
