@@ -410,6 +410,8 @@ def _item_kind(item: Any) -> str:
         return "lost"
     if hasattr(item, "seq") and hasattr(item, "capture"):
         return "capture"
+    if type(item).__name__ == "Watermark":
+        return "watermark"
     return "other"
 
 
@@ -443,7 +445,7 @@ class Progress:
         assert rec.core is not None
         s = rec.core.stats
         dt = max(time.monotonic() - self.t0, 1e-9)
-        lag = f"{head_seq - s.last_seq}" if head_seq is not None and s.last_seq >= 0 else "-"
+        lag = f"{max(0, head_seq - s.last_seq)}" if head_seq is not None and s.last_seq >= 0 else "-"
         return (f"{s.captures} captures ({s.captures / dt:.1f}/s)  {s.rows} rows ({s.rows / dt:.0f}/s)  "
                 f"{s.tensor_bytes / dt / 1e6:.1f} MB/s  shards {s.shards} ({rec.committed_bytes / 1e9:.2f} GB)  "
                 f"seq {s.last_seq}  lag {lag}  lost {s.lost}  missing {s.missing_positions}  skipped {s.skipped}")
@@ -464,10 +466,11 @@ class Progress:
 
 
 def run_recorder(rec: Recorder, items: Iterable[Any], limits: Limits, *, progress: Progress | None = None,
-                 head_seq: Callable[[], int | None] = lambda: None, watermark: Callable[[], int | None] = lambda: None,
-                 stop: threading.Event | None = None, idle: Callable[[], None] | None = None) -> str:
+                 head_seq: Callable[[], int | None] = lambda: None, stop: threading.Event | None = None) -> str:
     """Feed a watch stream into `rec` until a limit, `stop`, or the end of `items`; commit what is
-    open and return why it stopped. `items` may yield None when idle (lets ticks and stop run)."""
+    open and return why it stopped. `items` may yield None when idle (lets ticks and stop run).
+    Watermarks must come in the stream (watch(..., watermarks=True)), in order with the captures:
+    a watermark read from the side could pass captures still queued."""
     assert rec.core is not None
     t0 = time.monotonic()
     stop = stop or threading.Event()
@@ -480,9 +483,8 @@ def run_recorder(rec: Recorder, items: Iterable[Any], limits: Limits, *, progres
                     rec.feed_capture(item.seq, getattr(item, "begin", None), item.capture, _gaps_of(item))
                 elif kind == "lost":
                     rec.feed_lost(item.first, item.last, item.reason)
-            wm = watermark()
-            if wm is not None:
-                rec.feed_watermark(wm)
+                elif kind == "watermark":
+                    rec.feed_watermark(item.seq)
             rec.tick()
             if progress is not None:
                 progress.update(rec, head_seq())

@@ -368,7 +368,10 @@ class RecorderCore:
         sh = self.open
         if sh is not None and self.shard_age_s is not None and sh.seq_first >= 0 and now - sh.opened >= self.shard_age_s:
             return self._seal()
-        if not self.inflight and self._progress_unwritten() and now - self.last_manifest >= self.checkpoint_s:
+        # A new dataset commits its starting point at once: a restart then resumes from it
+        # instead of from "now".
+        first = self.manifest.generation == 0 and self.committed_seq >= 0
+        if not self.inflight and self._progress_unwritten() and (first or now - self.last_manifest >= self.checkpoint_s):
             return [WriteManifest(self._next_manifest())]
         return []
 

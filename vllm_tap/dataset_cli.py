@@ -102,6 +102,31 @@ def _watch_items(watch: Any, stop: threading.Event, depth: int = 64) -> Iterator
         yield item
 
 
+class _DaemonHead:
+    """The daemon's newest seq, from `status` at most every `every_s` (for the lag on the progress
+    line); None when the daemon does not say."""
+
+    def __init__(self, client: Any, every_s: float = 5.0) -> None:
+        self.client = client
+        self.every_s = every_s
+        self.at = 0.0
+        self.value: int | None = None
+
+    def __call__(self) -> int | None:
+        import time
+
+        now = time.monotonic()
+        if now - self.at >= self.every_s:
+            self.at = now
+            try:
+                s = self.client.status(timeout=1.0)
+                nxt = (s.get("sequence") or {}).get("next")
+                self.value = int(nxt) - 1 if isinstance(nxt, int) else None
+            except Exception:
+                pass
+        return self.value
+
+
 def _vllm_version() -> str | None:
     try:
         from importlib.metadata import version
@@ -168,7 +193,7 @@ def record(dest: str, writer: str | None, file_format: str, compression: str, sh
         raise click.ClickException(str(e)) from None
     try:
         client = Client(endpoint)
-        watch = client.watch(rec.since, whole=True, **filters)
+        watch = client.watch(rec.since, whole=True, watermarks=True, **filters)
     except TapError as e:
         rec.abort()
         raise click.ClickException(f"cannot watch the daemon: {e}") from None
@@ -177,12 +202,11 @@ def record(dest: str, writer: str | None, file_format: str, compression: str, sh
         raise click.ClickException(f"cannot watch the daemon: {type(e).__name__}: {e}") from None
     install_stop_signals(stop)
     log.info("recording to %s as writer %s from seq %s", dest, opts.writer,
-             "the oldest retained" if rec.since is None else rec.since + 1)
+             "the captures that begin from now on (a new dataset)" if rec.since is None else rec.since + 1)
     progress = Progress(stream=sys.stderr, tty=False if quiet else None)
     try:
         why = run_recorder(rec, _watch_items(watch, stop), Limits(max_bytes, max_captures, duration), progress=progress,
-                           head_seq=lambda: getattr(watch, "head_seq", None),
-                           watermark=lambda: getattr(watch, "last_seq", None), stop=stop)
+                           head_seq=_DaemonHead(client), stop=stop)
     except RecorderError as e:
         stop.set()
         raise click.ClickException(str(e)) from None
