@@ -475,8 +475,11 @@ def run_recorder(rec: Recorder, items: Iterable[Any], limits: Limits, *, progres
     t0 = time.monotonic()
     stop = stop or threading.Event()
     why = "the stream ended"
+    stopping = False
     try:
         for item in items:
+            if item is None and stopping:
+                break  # what was already received is in; commit it
             if item is not None:
                 kind = _item_kind(item)
                 if kind == "capture":
@@ -498,9 +501,9 @@ def run_recorder(rec: Recorder, items: Iterable[Any], limits: Limits, *, progres
             if limits.duration_s is not None and time.monotonic() - t0 >= limits.duration_s:
                 why = f"--duration {limits.duration_s:g} s reached"
                 break
-            if stop.is_set():
+            if stop.is_set() and not stopping:
                 why = "stopped"
-                break
+                stopping = True  # take in what is already queued here, then stop
     except RecorderError:
         raise
     except BaseException:
