@@ -161,6 +161,8 @@ class WatchHub:
         self._active: set[Watcher] = set()
         self.watchers_total = 0
         self.rejected = 0
+        self.delivered_total = 0  # captures sent whole to a watcher, over all watchers
+        self.lost_total: dict[str, int] = {r: 0 for r in wf.LOST_REASONS}  # captures reported lost, by reason
 
     # -- life --
 
@@ -343,6 +345,7 @@ class WatchHub:
                         if isinstance(ev, End):
                             w.current = None
                             w.delivered += 1
+                            self.delivered_total += 1
                             w.announced = max(w.announced, o.entry.seq)
                         return frames
                     w.current = None  # (an End is always last; defensive)
@@ -360,6 +363,7 @@ class WatchHub:
                     if isinstance(ev, End):
                         del w.open[seq], w.dirty[seq]
                         w.delivered += 1
+                        self.delivered_total += 1
                     return encode(ev, o.entry, w.req.id)
                 del w.dirty[seq]
                 continue
@@ -427,6 +431,7 @@ class WatchHub:
     def _lost(self, w: Watcher, first: int, last: int, reason: str, detail: str) -> Frames:
         n = last - first + 1
         w.lost += n
+        self.lost_total[reason] = self.lost_total.get(reason, 0) + n
         if reason == wf.LOST_TOO_SLOW:
             w.lost_too_slow += n
             log.warning("watcher %s/%d too slow: captures %d..%d lost (%s)", w.envelope[0].hex(), w.req.id, first,
@@ -457,7 +462,9 @@ class WatchHub:
         return self.seqs.path if self.seqs is not None else "-"
 
     def snapshot(self, now: float) -> dict[str, Any]:
-        seq: dict[str, Any] = self.seqs.snapshot() if self.seqs is not None else {}
+        seq: dict[str, Any] = self.seqs.snapshot() if self.seqs is not None else {
+            "state_file": None, "run_first": self.run_first, "last": self.next_seq - 1, "reserved": None,
+            "persist_error": "not open"}
         seq.update(next=self.next_seq, retained=len(self._present),
                    first_retained=self._present[0] if self._present else None,
                    last_retained=self._present[-1] if self._present else None)
@@ -472,4 +479,5 @@ class WatchHub:
                 "attached_s": now - w.attached_at,
             })
         return {"sequence": seq, "watchers": watchers, "watchers_total": self.watchers_total,
-                "watches_refused": self.rejected}
+                "watches_refused": self.rejected, "watch_delivered": self.delivered_total,
+                "watch_lost": dict(self.lost_total)}
