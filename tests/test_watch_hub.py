@@ -353,3 +353,21 @@ def test_client_state_streamed_last_seq_waits_for_the_oldest_open_capture(tmp_pa
     # A restarted daemon reports 1..2 lost: only 1 is news (2 already ended here).
     lost = st.on_frames([wf.pack(wf.LOST, 1, first=1, last=2, reason=wf.LOST_RESTARTED, detail="")], 0.0)
     assert [(x.first, x.last) for x in lost] == [(1, 1)] and st.last_seq == 2
+
+
+def test_client_state_streamed_replay_after_a_new_connection_repeats_nothing(tmp_path):
+    from vllm_tap.client import WatchData, WatchEnd, WatchStart
+
+    r = Rig(tmp_path)
+    r.watch(b"w1", since=0, whole=False, wid=1)
+    st = _client(False)
+    r.file(_begin("a"), _begin("b"), _tokens("a", 0), _tokens("a", 1), _tokens("b", 0), _end("b", stop=1))
+    first = _feed(st, r.msgs(b"w1"))
+    assert [(type(i), i.seq) for i in first if not isinstance(i, WatchData)] == [(WatchStart, 1), (WatchStart, 2),
+                                                                                  (WatchEnd, 2)]
+    # The connection is replaced: the daemon sees a new peer and starts the watch again from since=last_seq (0).
+    r.watch(b"w2", since=st.last_seq, whole=False, wid=1)
+    r.file(_tokens("a", 2), _end("a", stop=3))
+    again = _feed(st, r.msgs(b"w2"))
+    assert [(type(i), i.seq) for i in again] == [(WatchData, 1), (WatchEnd, 1)]  # nothing of b, only a's new position
+    assert again[0].item.positions.tolist() == [2] and st.last_seq == 2
