@@ -371,3 +371,32 @@ def test_client_state_streamed_replay_after_a_new_connection_repeats_nothing(tmp
     again = _feed(st, r.msgs(b"w2"))
     assert [(type(i), i.seq) for i in again] == [(WatchData, 1), (WatchEnd, 1)]  # nothing of b, only a's new position
     assert again[0].item.positions.tolist() == [2] and st.last_seq == 2
+
+
+def test_many_drops_compact_the_index_and_forget_old_tombstones_but_still_report_every_seq(tmp_path, monkeypatch):
+    import vllm_tap.daemon.watch as watch_mod
+
+    monkeypatch.setattr(watch_mod, "TOMBSTONES", 100)
+    r = Rig(tmp_path, retain_bytes=3000)  # keeps about two captures
+    r.watch(b"f", since=0, instance="other")  # a filtering watcher attached all along
+    r.pump()
+    for k in range(3000):
+        r.capture(f"r{k}")
+        r.store.evict(r.now)
+    assert len(r.hub._present) < 2 * 2 + 1024 + 1 and len(r.hub._gone) <= 125  # compacted, trimmed
+    r.watch(b"w", since=0)
+    m = r.msgs(b"w")
+    lost = [x for x in m if x["type"] == "lost"]
+    ends = [x["seq"] for x in m if x["type"] == "end"]
+    covered = sorted(ends + [s for x in lost for s in range(x["first"], x["last"] + 1)])
+    assert covered == list(range(1, 3001)) and ends == [2999, 3000]
+    assert {x["reason"] for x in lost} == {wf.LOST_EVICTED} and len(lost) <= 3
+    # The filtering watcher, attached all along: the recent drops are tombstoned (not its instance:
+    # skipped silently); older ones, beyond the tombstones, are reported rather than hidden.
+    m = r.msgs(b"f")
+    lost = [x for x in m if x["type"] == "lost"]
+    assert lost and lost[-1]["last"] < 3000 - 100 and not [x for x in m if x["type"] == "begin"]
+    assert {x["reason"] for x in lost} == {wf.LOST_TOO_SLOW}  # given out and dropped while it was attached
+    r.now += 0.3
+    r.hub.tick(r.now)
+    assert [x["seq"] for x in r.msgs(b"f") if x["type"] == "watermark"] == [3000]
