@@ -244,6 +244,7 @@ class WatchState:
         self._cur: CaptureBuilder | None = None
         # streamed mode: captures started and not yet ended, and ended ones above last_seq
         self._open: dict[int, CaptureBegin] = {}
+        self._next_pos: dict[int, int | None] = {}  # streamed: next position of each open capture
         self._done: list[list[int]] = []  # sorted, disjoint [first, last] handled above last_seq
 
     # -- what to send --
@@ -350,24 +351,50 @@ class WatchState:
             out.append(LostCaptures(at, last, reason, detail))
         for seq in [s for s in self._open if lo <= s <= last]:
             del self._open[seq]
+            self._next_pos.pop(seq, None)
         self._advance(lo, last)
         return out
 
+    def _handled(self, seq: int) -> bool:
+        """Capture `seq` was already yielded to its end, or reported lost (a replay must not repeat it)."""
+        if self.last_seq is not None and seq <= self.last_seq:
+            return True
+        return any(a <= seq <= b for a, b in self._done)
+
     def _on_begin(self, seq: int, begin: CaptureBegin) -> list[WatchItem]:
         if self.whole:
+            if self._handled(seq):
+                return []
             self._cur_seq, self._cur_begin, self._cur = seq, begin, CaptureBuilder()
             return []
+        # Streamed: a watch the daemon had to start again (a new connection) replays captures above
+        # last_seq from their beginning: positions already yielded are dropped here.
+        if self._handled(seq) or seq in self._open:
+            return []
         self._open[seq] = begin
+        self._next_pos[seq] = None
         return [WatchStart(seq, begin)]
 
     def _on_item(self, seq: int, item: Chunk | Gap) -> list[WatchItem]:
         if self.whole:
-            if self._cur is None or self._cur_seq != seq:
+            if self._cur_seq != seq:
+                if self._handled(seq):
+                    return []
                 raise ProtocolError(f"data of capture {seq} without its begin")
+            assert self._cur is not None
             self._cur.add(item)
             return []
         if seq not in self._open:
+            if self._handled(seq):
+                return []
             raise ProtocolError(f"data of capture {seq} without its begin")
+        start, stop = (item.start, item.stop) if isinstance(item, Chunk) else (item.positions.start, item.positions.stop)
+        nxt = self._next_pos[seq]
+        if nxt is not None and start < nxt:
+            if stop <= nxt:
+                return []
+            item = item.cut(nxt) if isinstance(item, Chunk) else Gap(range(nxt, stop), item.reason, item.request_id)
+        self._next_pos[seq] = stop
         if isinstance(item, Gap):
             log.info("capture %d (%s): positions %d..%d missing (%s)", seq, item.request_id, item.positions.start,
                      item.positions.stop - 1, item.reason)
@@ -375,7 +402,9 @@ class WatchState:
 
     def _on_end(self, seq: int, end: CaptureEnd) -> list[WatchItem]:
         if self.whole:
-            if self._cur is None or self._cur_seq != seq or self._cur_begin is None:
+            if self._cur_seq != seq or self._cur is None or self._cur_begin is None:
+                if self._handled(seq):
+                    return []
                 raise ProtocolError(f"end of capture {seq} without its begin")
             cap = self._cur.build(self._cur_begin, end)
             item = WatchedCapture(seq, self._cur_begin, cap, end)
@@ -383,7 +412,10 @@ class WatchState:
             self._advance(seq)
             return [item]
         if self._open.pop(seq, None) is None:
+            if self._handled(seq):
+                return []
             raise ProtocolError(f"end of capture {seq} without its begin")
+        self._next_pos.pop(seq, None)
         self._advance(seq)
         return [WatchEnd(seq, end)]
 

@@ -110,6 +110,7 @@ class Watcher:
     cursor: int  # next seq to consider
     attached_at: float
     attach_drop_no: int  # drops numbered above this happened while attached
+    attach_next: int  # seqs from this one on were given out while attached
     current: _Open | None = None  # whole mode: the capture being sent
     open: dict[int, _Open] = field(default_factory=dict)  # streamed: started, not yet ended
     dirty: dict[int, None] = field(default_factory=dict)  # streamed: open captures with events to send
@@ -153,7 +154,9 @@ class WatchHub:
     def __init__(self) -> None:
         self.seqs: SequenceCounter | None = None
         self._by_seq: dict[int, Entry] = {}
-        self._present: list[int] = []  # sorted seqs in _by_seq
+        # Sorted seqs given out, with dropped ones left in until compaction (_by_seq is the truth):
+        # eviction takes mostly the oldest, and deleting at the front of a long list costs a memmove.
+        self._present: list[int] = []
         self._gone: dict[int, _Tomb] = {}
         self._gone_keys: list[int] = []  # sorted
         self._drops = 0
@@ -161,6 +164,8 @@ class WatchHub:
         self._active: set[Watcher] = set()
         self.watchers_total = 0
         self.rejected = 0
+        self.delivered_total = 0  # captures sent whole to a watcher, over all watchers
+        self.lost_total: dict[str, int] = {r: 0 for r in wf.LOST_REASONS}  # captures reported lost, by reason
 
     # -- life --
 
@@ -219,14 +224,16 @@ class WatchHub:
         if not seq or self._by_seq.get(seq) is not entry:
             return
         del self._by_seq[seq]
-        i = bisect.bisect_left(self._present, seq)
-        if i < len(self._present) and self._present[i] == seq:
-            del self._present[i]
+        if len(self._present) > 2 * len(self._by_seq) + 1024:
+            self._present = [s for s in self._present if s in self._by_seq]
         self._drops += 1
         self._gone[seq] = _Tomb(_Fields.of(entry.begin), entry.end is not None, self._drops, why)
-        bisect.insort(self._gone_keys, seq)
-        while len(self._gone_keys) > TOMBSTONES:
-            del self._gone[self._gone_keys.pop(0)]
+        bisect.insort(self._gone_keys, seq)  # drops come mostly in seq order: an append
+        if len(self._gone_keys) > TOMBSTONES + TOMBSTONES // 4:  # forget the oldest quarter at once
+            cut = len(self._gone_keys) - TOMBSTONES
+            for k in self._gone_keys[:cut]:
+                del self._gone[k]
+            del self._gone_keys[:cut]
         for w in self._watchers.values():
             if w.whole and w.waiting_for == seq:  # it will never end: report it and go on
                 w.waiting_for = None
@@ -252,10 +259,11 @@ class WatchHub:
             self.rejected += 1
             return wf.error_frames(wf.E_LIMIT, f"the daemon serves {MAX_WATCHERS} watches already", req.id)
         since = last if req.since is None else req.since
-        w = Watcher(envelope, req, since, since + 1, now, self._drops, last_send=now, announced=since, wm_at=now)
+        w = Watcher(envelope, req, since, since + 1, now, self._drops, self.next_seq, last_send=now, announced=since,
+                    wm_at=now)
         self._watchers[key] = w
         self.watchers_total += 1
-        oldest = self._present[0] if self._present else self.next_seq
+        oldest = self._next_present(0)
         w.control.append([wf.pack(wf.WATCHING, req.id, since=since, oldest=oldest, next=self.next_seq,
                                   run_first=self.run_first)])
         self._active.add(w)
@@ -343,6 +351,7 @@ class WatchHub:
                         if isinstance(ev, End):
                             w.current = None
                             w.delivered += 1
+                            self.delivered_total += 1
                             w.announced = max(w.announced, o.entry.seq)
                         return frames
                     w.current = None  # (an End is always last; defensive)
@@ -360,6 +369,7 @@ class WatchHub:
                     if isinstance(ev, End):
                         del w.open[seq], w.dirty[seq]
                         w.delivered += 1
+                        self.delivered_total += 1
                     return encode(ev, o.entry, w.req.id)
                 del w.dirty[seq]
                 continue
@@ -396,13 +406,17 @@ class WatchHub:
 
     def _absent(self, w: Watcher, c: int) -> Frames | bool:
         """Seq c is not retained: report the run of absent seqs from c that share a reason."""
-        i = bisect.bisect_left(self._present, c)
-        stop = self._present[i] if i < len(self._present) else self.next_seq  # first retained seq after c
-        if c not in self._gone:  # no tombstone: report up to the next one
+        stop = self._next_present(c)  # first retained seq after c
+        if c not in self._gone:  # no tombstone (forgotten): report up to the next one
             j = bisect.bisect_left(self._gone_keys, c)
             end = min(stop, self._gone_keys[j] if j < len(self._gone_keys) else stop) - 1
+            if c < w.attach_next:  # given out before the watch began: evicted, as far as we can tell
+                end = min(end, w.attach_next - 1)
+                reason = wf.LOST_EVICTED
+            else:  # given out and dropped while attached
+                reason = wf.LOST_TOO_SLOW
             w.cursor = end + 1
-            return self._lost(w, c, end, wf.LOST_EVICTED, "no longer retained by the daemon")
+            return self._lost(w, c, end, reason, "no longer retained by the daemon")
         why = self._why(w, self._gone[c])
         end = c
         while end + 1 < stop and (end + 1) in self._gone and self._why(w, self._gone[end + 1]) == why:
@@ -412,6 +426,15 @@ class WatchHub:
             w.filtered += end - c + 1
             return False
         return self._lost(w, c, end, *why)
+
+    def _next_present(self, c: int) -> int:
+        """The lowest retained seq >= c (next_seq if none)."""
+        i = bisect.bisect_left(self._present, c)
+        while i < len(self._present):
+            if self._present[i] in self._by_seq:
+                return self._present[i]
+            i += 1
+        return self.next_seq
 
     def _why(self, w: Watcher, t: _Tomb) -> tuple[str, str] | None:
         if not w.matches(t.fields):
@@ -427,6 +450,7 @@ class WatchHub:
     def _lost(self, w: Watcher, first: int, last: int, reason: str, detail: str) -> Frames:
         n = last - first + 1
         w.lost += n
+        self.lost_total[reason] = self.lost_total.get(reason, 0) + n
         if reason == wf.LOST_TOO_SLOW:
             w.lost_too_slow += n
             log.warning("watcher %s/%d too slow: captures %d..%d lost (%s)", w.envelope[0].hex(), w.req.id, first,
@@ -457,10 +481,13 @@ class WatchHub:
         return self.seqs.path if self.seqs is not None else "-"
 
     def snapshot(self, now: float) -> dict[str, Any]:
-        seq: dict[str, Any] = self.seqs.snapshot() if self.seqs is not None else {}
-        seq.update(next=self.next_seq, retained=len(self._present),
-                   first_retained=self._present[0] if self._present else None,
-                   last_retained=self._present[-1] if self._present else None)
+        seq: dict[str, Any] = self.seqs.snapshot() if self.seqs is not None else {
+            "state_file": None, "run_first": self.run_first, "last": self.next_seq - 1, "reserved": None,
+            "persist_error": "not open"}
+        first = self._next_present(0)
+        last = next((s for s in reversed(self._present) if s in self._by_seq), None)
+        seq.update(next=self.next_seq, retained=len(self._by_seq),
+                   first_retained=first if self._by_seq else None, last_retained=last)
         watchers = []
         for w in self._watchers.values():
             h = w.handled
@@ -472,4 +499,5 @@ class WatchHub:
                 "attached_s": now - w.attached_at,
             })
         return {"sequence": seq, "watchers": watchers, "watchers_total": self.watchers_total,
-                "watches_refused": self.rejected}
+                "watches_refused": self.rejected, "watch_delivered": self.delivered_total,
+                "watch_lost": dict(self.lost_total)}

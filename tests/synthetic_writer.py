@@ -50,6 +50,9 @@ class Scenario:
     prefix: str = "req"
     seed: int = 0
     skip_rank: int | None = None  # a rank that never writes (its slices go missing)
+    source: str = "client"  # the capture's source ("client" or "policy"), in the spec of the BEGIN
+    model: str = "synthetic"
+    tap_key: str = ""  # "" = none; else request i gets tap_key f"{tap_key}{i}"
 
     @property
     def world(self) -> int:
@@ -62,10 +65,13 @@ class Scenario:
     def request_id(self, i: int) -> str:
         return f"{self.prefix}-{i}"
 
+    def key(self, i: int) -> str:
+        return f"{self.tap_key}{i}" if self.tap_key else ""
+
     def spec(self) -> CaptureSpec:
         if self.topk:
-            return CaptureSpec(logits=LogitsMode.TOPK, topk=self.topk, layers=self.layers)
-        return CaptureSpec(layers=self.layers)
+            return CaptureSpec(logits=LogitsMode.TOPK, topk=self.topk, layers=self.layers, source=self.source)
+        return CaptureSpec(layers=self.layers, source=self.source)
 
     @classmethod
     def from_json(cls, s: str) -> "Scenario":
@@ -209,8 +215,8 @@ class SyntheticEngine:
         sc = self.sc
         for i in which if which is not None else range(sc.n_requests):
             meta = {"spec": sc.spec().to_meta(), "num_prompt_tokens": sc.prompt_len,
-                    "prompt_token_ids": [token_id(sc, i, p) for p in range(sc.prompt_len)], "n": 1, "model": "synthetic"}
-            self.engine.write_control(rf.RecordKind.BEGIN, sc.request_id(i), meta)
+                    "prompt_token_ids": [token_id(sc, i, p) for p in range(sc.prompt_len)], "n": 1, "model": sc.model}
+            self.engine.write_control(rf.RecordKind.BEGIN, sc.request_id(i), meta, tap_key=sc.key(i))
 
     def run_step(self) -> bool:
         """One engine step over every unfinished request; False once all have ended."""
@@ -245,7 +251,7 @@ class SyntheticEngine:
                 t = time.perf_counter()
                 ok = self.ranks[rank].write(
                     sc.request_id(i), tid, pos, ids, np.ascontiguousarray(data), dtype=code, step=step,
-                    slice_=(s0, s1), full_dim=full, num_prompt_tokens=sc.prompt_len,
+                    slice_=(s0, s1), full_dim=full, num_prompt_tokens=sc.prompt_len, tap_key=sc.key(i),
                     expected_ranks=len([r for r in self.plan if self.plan[r]]), rank_parts=len(parts),
                 )
                 self.write_times.append(time.perf_counter() - t)
@@ -258,7 +264,7 @@ class SyntheticEngine:
         self.engine.write_control(rf.RecordKind.END, sc.request_id(i), {
             "reason": "length", "num_prompt_tokens": sc.prompt_len, "num_output_tokens": sc.gen_len,
             "output_token_ids": output_token_ids(sc, i), "end_position": sc.end_position,
-        })
+        }, tap_key=sc.key(i))
 
     def run(self, step_sleep: float = 0.0) -> None:
         self.begin()

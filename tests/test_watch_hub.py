@@ -353,3 +353,50 @@ def test_client_state_streamed_last_seq_waits_for_the_oldest_open_capture(tmp_pa
     # A restarted daemon reports 1..2 lost: only 1 is news (2 already ended here).
     lost = st.on_frames([wf.pack(wf.LOST, 1, first=1, last=2, reason=wf.LOST_RESTARTED, detail="")], 0.0)
     assert [(x.first, x.last) for x in lost] == [(1, 1)] and st.last_seq == 2
+
+
+def test_client_state_streamed_replay_after_a_new_connection_repeats_nothing(tmp_path):
+    from vllm_tap.client import WatchData, WatchEnd, WatchStart
+
+    r = Rig(tmp_path)
+    r.watch(b"w1", since=0, whole=False, wid=1)
+    st = _client(False)
+    r.file(_begin("a"), _begin("b"), _tokens("a", 0), _tokens("a", 1), _tokens("b", 0), _end("b", stop=1))
+    first = _feed(st, r.msgs(b"w1"))
+    assert [(type(i), i.seq) for i in first if not isinstance(i, WatchData)] == [(WatchStart, 1), (WatchStart, 2),
+                                                                                  (WatchEnd, 2)]
+    # The connection is replaced: the daemon sees a new peer and starts the watch again from since=last_seq (0).
+    r.watch(b"w2", since=st.last_seq, whole=False, wid=1)
+    r.file(_tokens("a", 2), _end("a", stop=3))
+    again = _feed(st, r.msgs(b"w2"))
+    assert [(type(i), i.seq) for i in again] == [(WatchData, 1), (WatchEnd, 1)]  # nothing of b, only a's new position
+    assert again[0].item.positions.tolist() == [2] and st.last_seq == 2
+
+
+def test_many_drops_compact_the_index_and_forget_old_tombstones_but_still_report_every_seq(tmp_path, monkeypatch):
+    import vllm_tap.daemon.watch as watch_mod
+
+    monkeypatch.setattr(watch_mod, "TOMBSTONES", 100)
+    r = Rig(tmp_path, retain_bytes=3000)  # keeps about two captures
+    r.watch(b"f", since=0, instance="other")  # a filtering watcher attached all along
+    r.pump()
+    for k in range(3000):
+        r.capture(f"r{k}")
+        r.store.evict(r.now)
+    assert len(r.hub._present) < 2 * 2 + 1024 + 1 and len(r.hub._gone) <= 125  # compacted, trimmed
+    r.watch(b"w", since=0)
+    m = r.msgs(b"w")
+    lost = [x for x in m if x["type"] == "lost"]
+    ends = [x["seq"] for x in m if x["type"] == "end"]
+    covered = sorted(ends + [s for x in lost for s in range(x["first"], x["last"] + 1)])
+    assert covered == list(range(1, 3001)) and ends == [2999, 3000]
+    assert {x["reason"] for x in lost} == {wf.LOST_EVICTED} and len(lost) <= 3
+    # The filtering watcher, attached all along: the recent drops are tombstoned (not its instance:
+    # skipped silently); older ones, beyond the tombstones, are reported rather than hidden.
+    m = r.msgs(b"f")
+    lost = [x for x in m if x["type"] == "lost"]
+    assert lost and lost[-1]["last"] < 3000 - 100 and not [x for x in m if x["type"] == "begin"]
+    assert {x["reason"] for x in lost} == {wf.LOST_TOO_SLOW}  # given out and dropped while it was attached
+    r.now += 0.3
+    r.hub.tick(r.now)
+    assert [x["seq"] for x in r.msgs(b"f") if x["type"] == "watermark"] == [3000]
