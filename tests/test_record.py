@@ -125,7 +125,7 @@ def listed_files_only(dest: str, writer: str = "hostA") -> None:
 def test_record_values_equal_daemon_fetch(daemon_factory, shm_dir, tmp_path) -> None:
     d = daemon_factory()
     dest = str(tmp_path / "ds")
-    rec = start_recorder(dest, d.endpoint, "--shard-size", "30KB")
+    rec = start_recorder(dest, d.endpoint, "--shard-size", "10KB")
     wait_for(lambda: manifest(dest) is not None, what="the recorder's first manifest")
     sc = scenario("a", n=6)
     write(shm_dir, sc)
@@ -143,7 +143,7 @@ def test_record_values_equal_daemon_fetch(daemon_factory, shm_dir, tmp_path) -> 
             assert np.array_equal(np.stack(part.column(df.hook_name(layer)).to_numpy(zero_copy_only=False)), h)
     m = manifest(dest)
     assert m.metadata["models"] == ["synthetic"] and m.layout.logits.kind == "full"
-    assert len(m.shards) >= 2 and all(s.bytes <= 30_000 + 8_000 for s in m.shards)
+    assert len(m.shards) >= 2 and all(s.bytes <= 10_000 + 8_000 for s in m.shards)
     hf = open_dataset(dest).to_hf(cache_dir=str(tmp_path / "hf"))
     assert hf.num_rows == t.num_rows
 
