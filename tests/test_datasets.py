@@ -336,3 +336,18 @@ def test_saelens_export_loads_in_saelens_and_trains(tmp_path) -> None:
         losses = res[key]
         assert len(losses) >= 30 and all(np.isfinite(losses))
         assert np.mean(losses[-5:]) < np.mean(losses[:5]), f"{key}: the SAE does not learn"
+
+
+def test_bench_record_runs_and_reports(tmp_path) -> None:
+    """`vllm-tap bench record` at a tiny size: it runs and reports (a smoke test, no timing assertions)."""
+    from vllm_tap.tools.bench import record as bench_record
+
+    p = bench_record.RecordParams(dir=str(tmp_path), raw_mib=8, data_mib=8, hidden=256, vocab=2000, repeats=1,
+                                  rows_per_capture=64)
+    res = bench_record.run(p, lambda m: None)
+    assert set(res["summary"]) == {"hidden", "logits"}
+    for s in res["summary"].values():
+        assert s["row_mb_s"] > 0 and s["raw_mb_s"] > 0
+    e = res["e2e"]
+    assert e["recorder"]["captures"] + e["recorder"]["lost"] == e["captures"]
+    assert "rows in / raw" in bench_record.table(res)

@@ -36,6 +36,7 @@ class RecordParams:
     file_format: str = "parquet"
     repeats: int = 2
     cases: list[str] = field(default_factory=lambda: ["hidden", "logits"])
+    e2e: bool = True  # also daemon -> watch -> recorder against a watch that only reads
 
     @classmethod
     def quick(cls) -> "RecordParams":
@@ -125,12 +126,14 @@ def run(p: RecordParams, echo: Callable[[str], None]) -> dict[str, Any]:
                      f"{r['disk_mb_s']:.0f} MB/s to disk; rows in = {100 * r['share_of_raw']:.0f} % of raw")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    e2e = run_e2e(p, root, echo) if p.e2e else None
     summary = {}
     for case in p.cases:
         rs = [r for r in rows if r["case"] == case]
         summary[case] = {k: float(np.median([r[k] for r in rs])) for k in
                          ("row_mb_s", "disk_mb_s", "rows_s", "raw_mb_s", "share_of_raw")}
-    return {"params": {k: v for k, v in vars(p).items()}, "runs": rows, "summary": summary, "target_share_of_raw": 0.7}
+    return {"params": {k: v for k, v in vars(p).items()}, "runs": rows, "summary": summary, "target_share_of_raw": 0.7,
+            "e2e": e2e}
 
 
 def table(res: dict[str, Any]) -> str:
@@ -139,4 +142,102 @@ def table(res: dict[str, Any]) -> str:
     for case, s in res["summary"].items():
         lines.append(f"| {case} | {s['row_mb_s']:.0f} | {s['rows_s']:.0f} | {s['disk_mb_s']:.0f} | {s['raw_mb_s']:.0f} "
                      f"| {100 * s['share_of_raw']:.0f} % |")
+    e = res.get("e2e")
+    if e:
+        lines += ["", f"End to end (writer process -> daemon -> watch, {e['captures']} full-logit captures of "
+                  f"{e['rows_per_capture']} x {e['vocab']}):", "",
+                  "| consumer | MB/s of rows | captures | lost |", "|---|---|---|---|"]
+        for mode in ("watch only", "recorder"):
+            m = e[mode]
+            lines.append(f"| {mode} | {m['mb_s']:.0f} | {m['captures']} | {m['lost']} |")
     return "\n".join(lines)
+
+
+# -- end to end: a writer process -> daemon -> watch -> recorder, against a watch that only reads --
+
+
+def _e2e_writer(shm: str, n_caps: int, rows: int, width: int, start: Any, done: Any) -> None:
+    """Full-logit captures of `rows` positions, written as fast as the ring takes them (it waits)."""
+    from vllm_tap import ring_format as rf
+    from vllm_tap.records import TensorId
+    from vllm_tap.ring import RingWriter, ring_path
+    from vllm_tap.spec import CaptureSpec
+
+    logits = TensorId(rf.TensorKind.LOGITS)
+    eng = RingWriter(ring_path(shm, "bench", rf.ENGINE_RANK), 4 << 20, rank=rf.ENGINE_RANK)
+    w = RingWriter(ring_path(shm, "bench", 0), 256 << 20, block_timeout=120.0)
+    x = np.random.default_rng(2).standard_normal((rows, width), dtype=np.float32)
+    x = ((x.view(np.uint32) >> 16) << 16).view(np.float32)  # bf16 values, as most models compute
+    spec = CaptureSpec().to_meta()
+    start.wait()
+    for c in range(n_caps):
+        name = f"e2e-{os.getpid()}-{c}"
+        eng.write_control(rf.RecordKind.BEGIN, name, {"spec": spec, "num_prompt_tokens": rows // 2, "n": 1,
+                                                      "model": "bench", "prompt_token_ids": list(range(rows // 2))})
+        for k in range(0, rows, 64):  # chunks of 64 positions, like prefill steps
+            pos = np.arange(k, min(k + 64, rows), dtype=np.int32)
+            w.write(name, logits, pos, pos % 1000, x[pos], step=c * 1000 + k // 64 + 1, num_prompt_tokens=rows // 2)
+        eng.write_control(rf.RecordKind.END, name, {"reason": "length", "num_prompt_tokens": rows // 2,
+                                                    "num_output_tokens": rows - rows // 2 + 1,
+                                                    "output_token_ids": list(range(rows - rows // 2 + 1)),
+                                                    "end_position": rows})
+    while not eng.flush():
+        time.sleep(0.001)
+    done.set()
+    time.sleep(1.0)
+    w.close()
+    eng.close()
+
+
+def run_e2e(p: RecordParams, root: str, echo: Callable[[str], None]) -> dict[str, Any]:
+    import multiprocessing as mp
+
+    from vllm_tap.client import Client, LostCaptures, WatchedCapture
+    from vllm_tap.client.record import Recorder, RecordOptions
+    from vllm_tap.tools.launch import DaemonHandle
+
+    rows, width = p.rows_per_capture, p.vocab
+    n_caps = max(4, (p.data_mib << 20) // (rows * width * 4))
+    out: dict[str, Any] = {"captures": n_caps, "rows_per_capture": rows, "vocab": width}
+    for mode in ("watch only", "recorder"):
+        shm = tempfile.mkdtemp(prefix="vt-bench-rec-", dir="/dev/shm")
+        tmp = tempfile.mkdtemp(prefix="vt-", dir=root)
+        daemon = DaemonHandle(shm, f"ipc://{tmp}/d.sock", os.path.join(tmp, "daemon.log"),
+                              state_dir=os.path.join(tmp, "state")).start(extra=["--retain-bytes", str(1 << 30)])
+        ctx = mp.get_context("spawn")
+        start, done = ctx.Event(), ctx.Event()
+        proc = ctx.Process(target=_e2e_writer, args=(shm, n_caps, rows, width, start, done))
+        proc.start()
+        client = Client(daemon.endpoint)
+        watch = client.watch(None, whole=True, watermarks=True, timeout=120.0)
+        rec = Recorder(os.path.join(tmp, "ds"), RecordOptions(writer="bench")).open() if mode == "recorder" else None
+        got = lost = nbytes = 0
+        t0 = None
+        try:
+            time.sleep(0.5)
+            start.set()
+            for item in watch:
+                if isinstance(item, LostCaptures):
+                    lost += len(item)
+                    if rec is not None:
+                        rec.feed_lost(item.first, item.last, item.reason)
+                elif isinstance(item, WatchedCapture):
+                    t0 = t0 or time.perf_counter()
+                    got += 1
+                    nbytes += item.capture.logits.nbytes
+                    if rec is not None:
+                        rec.feed_capture(item.seq, item.begin, item.capture)
+                if got + lost >= n_caps:
+                    break
+            if rec is not None:
+                rec.close()
+            dt = time.perf_counter() - (t0 or time.perf_counter())
+        finally:
+            watch.close()
+            proc.join(60)
+            daemon.stop()
+            shutil.rmtree(shm, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        out[mode] = {"mb_s": nbytes / max(dt, 1e-9) / 1e6, "captures": got, "lost": lost}
+        echo(f"end to end, {mode}: {out[mode]['mb_s']:.0f} MB/s of rows, {got} captures, {lost} lost")
+    return out
