@@ -351,3 +351,31 @@ def test_bench_record_runs_and_reports(tmp_path) -> None:
     e = res["e2e"]
     assert e["recorder"]["captures"] + e["recorder"]["lost"] == e["captures"]
     assert "rows in / raw" in bench_record.table(res)
+
+
+def test_dataset_side_imports_neither_torch_nor_vllm() -> None:
+    code = ("import sys; import vllm_tap.client.record, vllm_tap.client.datasets, vllm_tap.client.export, "
+            "vllm_tap.dataset_cli; print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_record_cli_errors_are_one_line(tmp_path) -> None:
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "vllm_tap.cli", "record", *args], capture_output=True, text=True,
+                              timeout=60)
+
+    dest = str(tmp_path / "ds")
+    r = run(dest, "--endpoint", f"ipc://{tmp_path}/nothing.sock")
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("Error: cannot watch the daemon")
+    assert "Traceback" not in r.stderr
+    r = run(dest, "--shard-size", "3GB")
+    assert r.returncode != 0 and "at most 2000000000 bytes" in r.stderr
+    r = run(dest, "--writer", "../x")
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("Error: writer id")
+    os.makedirs(os.path.join(dest, "writers", "w1"))
+    with open(os.path.join(dest, "writers", "w1", "manifest.json"), "w") as f:
+        f.write('{"format": "something-else"}')
+    r = run(dest, "--writer", "w1")
+    assert r.returncode != 0 and "not a vllm-tap manifest" in r.stderr and "Traceback" not in r.stderr

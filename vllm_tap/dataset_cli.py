@@ -193,6 +193,7 @@ def record(dest: str, writer: str | None, file_format: str, compression: str, sh
         raise click.ClickException(str(e)) from None
     try:
         client = Client(endpoint)
+        client.status(timeout=5.0)  # fail fast when no daemon answers (a watch waits a minute)
         watch = client.watch(rec.since, whole=True, watermarks=True, **filters)
     except TapError as e:
         rec.abort()
