@@ -126,7 +126,13 @@ def run(p: RecordParams, echo: Callable[[str], None]) -> dict[str, Any]:
                      f"{r['disk_mb_s']:.0f} MB/s to disk; rows in = {100 * r['share_of_raw']:.0f} % of raw")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    e2e = run_e2e(p, root, echo) if p.e2e else None
+    e2e = None
+    if p.e2e:
+        work = tempfile.mkdtemp(prefix="vllm-tap-bench-record-", dir=root)
+        try:
+            e2e = run_e2e(p, work, echo)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     summary = {}
     for case in p.cases:
         rs = [r for r in rows if r["case"] == case]
@@ -209,7 +215,9 @@ def run_e2e(p: RecordParams, root: str, echo: Callable[[str], None]) -> dict[str
         proc = ctx.Process(target=_e2e_writer, args=(shm, n_caps, rows, width, start, done))
         proc.start()
         client = Client(daemon.endpoint)
-        watch = client.watch(None, whole=True, watermarks=True, timeout=120.0)
+        # from the newest seq now: a watch is sent on its first read, after the writer has started
+        since = max(0, int(client.status(timeout=5.0)["sequence"]["next"]) - 1)
+        watch = client.watch(since, whole=True, watermarks=True, timeout=120.0)
         rec = Recorder(os.path.join(tmp, "ds"), RecordOptions(writer="bench")).open() if mode == "recorder" else None
         got = lost = nbytes = 0
         t0 = None
