@@ -207,7 +207,7 @@ def run_e2e(p: RecordParams, root: str, echo: Callable[[str], None]) -> dict[str
     out: dict[str, Any] = {"captures": n_caps, "rows_per_capture": rows, "vocab": width}
     for mode in ("watch only", "recorder"):
         shm = tempfile.mkdtemp(prefix="vt-bench-rec-", dir="/dev/shm")
-        tmp = tempfile.mkdtemp(prefix="vt-", dir=root)
+        tmp = tempfile.mkdtemp(prefix="vt-")  # short: ipc socket paths are limited to ~107 bytes
         daemon = DaemonHandle(shm, f"ipc://{tmp}/d.sock", os.path.join(tmp, "daemon.log"),
                               state_dir=os.path.join(tmp, "state")).start(extra=["--retain-bytes", str(1 << 30)])
         ctx = mp.get_context("spawn")
@@ -218,7 +218,8 @@ def run_e2e(p: RecordParams, root: str, echo: Callable[[str], None]) -> dict[str
         # from the newest seq now: a watch is sent on its first read, after the writer has started
         since = max(0, int(client.status(timeout=5.0)["sequence"]["next"]) - 1)
         watch = client.watch(since, whole=True, watermarks=True, timeout=120.0)
-        rec = Recorder(os.path.join(tmp, "ds"), RecordOptions(writer="bench")).open() if mode == "recorder" else None
+        rec = Recorder(tempfile.mkdtemp(prefix="ds-", dir=root), RecordOptions(writer="bench")).open() \
+            if mode == "recorder" else None
         got = lost = nbytes = 0
         t0 = None
         try:
