@@ -148,6 +148,22 @@ def test_record_values_equal_daemon_fetch(daemon_factory, shm_dir, tmp_path) -> 
     assert hf.num_rows == t.num_rows
 
 
+def test_limits_stop_cleanly(daemon_factory, shm_dir, tmp_path) -> None:
+    d = daemon_factory()
+    dest = str(tmp_path / "ds")
+    rec = start_recorder(dest, d.endpoint, "--duration", "3s")
+    assert rec.wait(60) == 0
+    assert "--duration 3 s reached" in rec.stderr.read().decode()
+    rec = start_recorder(dest, d.endpoint, "--max-bytes", "5KB")
+    wait_for(lambda: manifest(dest).generation >= 1, what="the manifest")
+    write(shm_dir, scenario("a", n=6))
+    assert rec.wait(60) == 0
+    err = rec.stderr.read().decode()
+    assert "--max-bytes 5000 reached" in err
+    m = manifest(dest)
+    assert 1 <= m.rows < 6 * 9 and m.rows % 9 == 0  # stopped after whole captures, all committed
+
+
 # -- SIGKILL at each step of the commit protocol, then a restart --
 
 
