@@ -8,6 +8,9 @@
             print(rec.position, rec.phase, rec.token_id, rec.logits.argmax())
     cap = client.fetch("my-request-id")   # everything stacked: cap.logits [T, V], cap.hidden {layer: [T, H]}
 
+    for item in client.Client().watch(since=last_seq):   # every capture, in sequence order, resumable
+        ...                        # WatchedCapture (item.seq, .begin, .capture, .end) or LostCaptures
+
 The module-level functions use $VLLM_TAP_ENDPOINT, else the daemon's default socket; `Client(endpoint)`
 and `AsyncClient(endpoint)` take an explicit one.
 """
@@ -24,6 +27,10 @@ from vllm_tap.client.errors import (
 from vllm_tap.client.records import Capture, CaptureBegin, CaptureEnd, Chunk, Gap, TokenRecord
 from vllm_tap.client.stream import ENDPOINT_ENV, resolve_endpoint
 from vllm_tap.client.sync import Client, Subscription
+from vllm_tap.client.watch import (
+    AsyncWatch, LostCaptures, Watch, WatchData, WatchedCapture, WatchEnd, Watermark, WatchItem, WatchRejected,
+    WatchStart,
+)
 
 
 def subscribe(name: str, index: int | None = None, instance: str | None = None, timeout: float = 30.0) -> Subscription:
@@ -43,4 +50,7 @@ __all__ = [
     "CaptureLost", "CaptureNotFound", "Chunk", "Client", "DaemonStopped", "DaemonUnavailable", "ENDPOINT_ENV", "Gap",
     "ProtocolError", "Refused", "Subscription", "TapError", "TokenRecord", "TooSlow", "fetch", "resolve_endpoint", "status",
     "subscribe",
+    # watch: every capture, resumable (vllm_tap.client.watch)
+    "AsyncWatch", "LostCaptures", "Watch", "WatchData", "WatchEnd", "WatchItem", "WatchRejected", "WatchStart",
+    "WatchedCapture", "Watermark",
 ]

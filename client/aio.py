@@ -18,6 +18,7 @@ from vllm_tap.client.stream import (
     HEARTBEAT_S, RECONNECT_IVL_MAX_MS, StreamState, SubscriptionView, refusal, refused_message, resolve_endpoint,
 )
 from vllm_tap.client.sync import RCVHWM, parse_status
+from vllm_tap.client.watch import WATCH_HEARTBEAT_S, WATCH_TIMEOUT_S, AsyncWatch, watch_state
 
 
 class AsyncSubscription(SubscriptionView):
@@ -109,6 +110,15 @@ class AsyncClient:
             builder.add(item)
         assert sub.end is not None
         return builder.build(sub.begin, sub.end)
+
+    def watch(self, since: int | None = None, *, instance: str | None = None, source: str | None = None,
+              tap_key_prefix: str | None = None, model: str | None = None, whole: bool = True,
+              watermarks: bool = False, timeout: float = WATCH_TIMEOUT_S) -> AsyncWatch:
+        """Client.watch for asyncio: `async for item in AsyncClient().watch(since)`."""
+        return AsyncWatch(self._ctx, watch_state(self.endpoint, since, instance=instance, source=source,
+                                                 tap_key_prefix=tap_key_prefix, model=model, whole=whole,
+                                                 watermarks=watermarks, timeout=timeout,
+                                                 heartbeat_s=WATCH_HEARTBEAT_S))
 
     async def status(self, timeout: float = 5.0) -> dict[str, Any]:
         sock = _dealer(self._ctx)

@@ -16,6 +16,7 @@ from vllm_tap.client.records import Capture, CaptureBuilder, Chunk, Gap, Item
 from vllm_tap.client.stream import (
     HEARTBEAT_S, RECONNECT_IVL_MAX_MS, StreamState, SubscriptionView, refusal, refused_message, resolve_endpoint,
 )
+from vllm_tap.client.watch import WATCH_HEARTBEAT_S, WATCH_TIMEOUT_S, Watch, watch_state
 
 RCVHWM = 256  # messages buffered from the daemon; beyond that the daemon waits (and may cut us off)
 
@@ -131,6 +132,21 @@ class Client:
             builder.add(item)
         assert sub.end is not None
         return builder.build(sub.begin, sub.end)
+
+    def watch(self, since: int | None = None, *, instance: str | None = None, source: str | None = None,
+              tap_key_prefix: str | None = None, model: str | None = None, whole: bool = True,
+              watermarks: bool = False, timeout: float = WATCH_TIMEOUT_S) -> Watch:
+        """Every capture with seq > `since` (None: those that begin from now on), in seq order.
+
+        Filters (all optional, combined with AND): `instance` (exact), `source` ("client" or
+        "policy"), `tap_key_prefix`, `model` (exact). whole=True yields a WatchedCapture per capture
+        at its end; whole=False streams WatchStart / WatchData / WatchEnd. LostCaptures says what
+        will not come. `Watch.last_seq` is what to persist and pass as `since` after a restart.
+        See vllm_tap.client.watch for the rules; WatchRejected for a bad filter or a future since.
+        """
+        return Watch(self._ctx, watch_state(self.endpoint, since, instance=instance, source=source,
+                                            tap_key_prefix=tap_key_prefix, model=model, whole=whole,
+                                            watermarks=watermarks, timeout=timeout, heartbeat_s=WATCH_HEARTBEAT_S))
 
     def status(self, timeout: float = 5.0) -> dict[str, Any]:
         """The daemon's snapshot: rings, writers, requests in flight, bytes, drops, subscribers."""

@@ -16,6 +16,15 @@ def default_endpoint() -> str:
     return f"ipc://{base}/vllm-tap.sock"
 
 
+def default_state_dir() -> str:
+    """Where the sequence counter lives (systemd's StateDirectory= is set by config_load): root
+    /var/lib/vllm-tap, else $XDG_STATE_HOME/vllm-tap (~/.local/state/vllm-tap)."""
+    if os.geteuid() == 0:
+        return "/var/lib/vllm-tap"
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "vllm-tap")
+
+
 @dataclass
 class DaemonConfig:
     shm_dir: str = DEFAULT_SHM_DIR  # where rings are discovered (one sub-directory per instance)
@@ -31,7 +40,11 @@ class DaemonConfig:
     max_subscriptions: int = 65536  # subscriptions in all; more are refused with an error
     max_subscriptions_per_connection: int = 1024
     metrics_addr: str = ""  # host:port for Prometheus metrics; "" = off
+    state_dir: str = ""  # the persisted capture sequence counter; "" = default_state_dir()
     log_level: str = "INFO"
 
     def resolved_endpoint(self) -> str:
         return self.endpoint or default_endpoint()
+
+    def resolved_state_dir(self) -> str:
+        return self.state_dir or default_state_dir()

@@ -52,6 +52,9 @@ DOCS: dict[str, str] = {
     "max_subscriptions": "Subscriptions at once, waiting or streaming; more are refused with an error.",
     "max_subscriptions_per_connection": "Subscriptions at once on one connection; more are refused with an error.",
     "metrics_addr": "`HOST:PORT` (or `:PORT`) for the Prometheus endpoint; empty = no endpoint.",
+    "state_dir": "Directory of the persisted capture sequence counter (`sequence.json`, locked by one daemon); "
+    "empty = `$STATE_DIRECTORY` under systemd (`/var/lib/vllm-tap` with the shipped unit), else "
+    "`/var/lib/vllm-tap` as root, else `$XDG_STATE_HOME/vllm-tap` (`~/.local/state/vllm-tap`).",
     "log_level": "`DEBUG`, `INFO`, `WARNING`, `ERROR` or `CRITICAL`.",
 }
 
@@ -234,6 +237,10 @@ def load_config(
         # Under systemd the unit's RuntimeDirectory= is the one place both the daemon (sandboxed,
         # PrivateTmp) and its subscribers can reach; the user-session default would be neither.
         cfg.endpoint = f"ipc://{env['RUNTIME_DIRECTORY'].split(':')[0]}/{RUNTIME_SOCKET}"
+
+    if not cfg.state_dir and env.get("STATE_DIRECTORY"):
+        # The unit's StateDirectory= (persistent, owned by the daemon's user, survives reboots).
+        cfg.state_dir = env["STATE_DIRECTORY"].split(":")[0]
 
     problems = _validate(cfg)
     if problems:

@@ -22,7 +22,7 @@ def encode(ev: Event, entry: Entry, sub_id: int, from_position: int | None = Non
             ev = ev.cut(from_position)
         descs, bufs = wf.describe_tensors(ev.tensors, ev.dtypes)
         header = wf.pack(
-            wf.TOKENS, sub_id, request_id=ev.request_id, instance=ev.instance, start=ev.start,
+            wf.TOKENS, sub_id, seq=entry.seq, request_id=ev.request_id, instance=ev.instance, start=ev.start,
             count=len(ev.positions), token_ids=ev.token_ids.astype("<i4", copy=False).tobytes(),
             num_prompt_tokens=ev.num_prompt_tokens, tensors=descs,
         )
@@ -33,12 +33,12 @@ def encode(ev: Event, entry: Entry, sub_id: int, from_position: int | None = Non
             start = max(start, from_position)
             if start >= stop:
                 return None
-        return [wf.pack(wf.GAP, sub_id, request_id=ev.request_id, instance=ev.instance, start=start, stop=stop,
+        return [wf.pack(wf.GAP, sub_id, seq=entry.seq, request_id=ev.request_id, instance=ev.instance, start=start, stop=stop,
                         reason=ev.reason)]
     if isinstance(ev, Begin):
         b = entry.begin  # the latest, in case a late BEGIN filled in a lazily made capture
         return [wf.pack(
-            wf.BEGIN, sub_id, request_id=b.request_id, instance=b.instance, tap_key=b.tap_key, names=list(entry.names),
+            wf.BEGIN, sub_id, seq=entry.seq, request_id=b.request_id, instance=b.instance, tap_key=b.tap_key, names=list(entry.names),
             response_id=entry.response_id, choice_index=entry.choice_index, num_prompt_tokens=b.num_prompt_tokens,
             prompt_token_ids=b.prompt_token_ids, n=b.n, model=b.model, spec=b.spec, start_position=b.start_position,
             lazy=b.lazy, source=b.source,
@@ -51,7 +51,7 @@ def encode(ev: Event, entry: Entry, sub_id: int, from_position: int | None = Non
         # previous daemon); the client accounts for those itself.
         missing = missing.clip(from_position, 1 << 62)
     return [wf.pack(
-        wf.END, sub_id, request_id=ev.request_id, instance=ev.instance, reason=ev.reason,
+        wf.END, sub_id, seq=entry.seq, request_id=ev.request_id, instance=ev.instance, reason=ev.reason,
         num_prompt_tokens=ev.num_prompt_tokens, num_output_tokens=ev.num_output_tokens,
         output_token_ids=ev.output_token_ids, end_position=ev.end_position,
         expected=list(ev.expected) if ev.expected else None, missing=missing.as_lists(),

@@ -142,6 +142,26 @@ class DaemonCollector(Collector):
         h = HistogramMetricFamily("vllm_tap_delivery_latency_seconds", "From reading a record off its ring to sending it to a subscriber.")
         h.add_metric([], _buckets(hist), sum_value=float(hist["sum"]))
         yield h
+        yield from _watch_families(s)
+
+
+def _watch_families(s: dict[str, Any]) -> Iterable[Metric]:
+    """The capture stream (daemon/watch.py); absent from a snapshot without it."""
+    q = s.get("sequence")
+    if not q:
+        return
+    yield _gauge("vllm_tap_sequence_last", "Sequence number of the newest capture.", q["last"])
+    yield _gauge("vllm_tap_sequence_persisted", "1 while the sequence counter's state file is being written "
+                 "(0: numbering goes on unpersisted, see the log).", 0.0 if q.get("persist_error") else 1.0)
+    yield _gauge("vllm_tap_watchers", "Open watches.", len(s.get("watchers", ())))
+    yield _counter("vllm_tap_watches", "Watches accepted.", s.get("watchers_total", 0))
+    yield _counter("vllm_tap_watch_delivered_captures", "Captures sent to watchers (each watcher counts).",
+                   s.get("watch_delivered", 0))
+    lost = CounterMetricFamily("vllm_tap_watch_lost_captures", "Captures reported lost to watchers, by reason.",
+                               labels=["reason"])
+    for reason, n in sorted((s.get("watch_lost") or {}).items()):
+        lost.add_metric([reason], float(n))
+    yield lost
 
 
 def split_addr(addr: str) -> tuple[str, int]:

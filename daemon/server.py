@@ -49,7 +49,9 @@ from vllm_tap.daemon.discovery import Candidate, RingDirectory
 from vllm_tap.daemon.messages import Frames, encode
 from vllm_tap.daemon.peers import Peers
 from vllm_tap.daemon.reassembly import OVER_BUDGET, RING_BROKEN, Begin, Event, Reassembler
+from vllm_tap.daemon.sequence import SequenceCounter
 from vllm_tap.daemon.store import Entry, LookupFailed, Store
+from vllm_tap.daemon.watch import WatchHub
 from vllm_tap.doorbell import Doorbell
 
 log = logging.getLogger(__name__)
@@ -206,6 +208,9 @@ class Daemon:
         self._dir = RingDirectory(config.shm_dir)
         self._reasm: dict[str, Reassembler] = {}
         self.store = Store(config.retain_bytes, config.retain_ttl_s)
+        # watch: sequence numbers and watchers (daemon/watch.py); told of every filed event and drop
+        self.watch = WatchHub()
+        self.store.on_drop = self.watch.dropped
         self._subs: dict[tuple[bytes, int], _Sub] = {}
         self._by_conn: dict[bytes, set[_Sub]] = {}  # routing id -> its subscriptions
         self._by_key: dict[tuple[str, str], set[_Sub]] = {}
@@ -252,6 +257,8 @@ class Daemon:
             except zmq.ZMQError as e:
                 raise DaemonError(f"cannot listen on {self.endpoint}: {e}") from None
             self._sock = sock
+            # watch: the persisted sequence counter; SequenceStateError stops start-up (one line)
+            self.watch.open(SequenceCounter(self.config.resolved_state_dir()))
             with self._lock:
                 self._discover(time.monotonic())
             log.info("serving %s; watching %s (%d rings, %s; descriptor limit %d)", self.endpoint,
@@ -272,6 +279,7 @@ class Daemon:
                     self._peers = None
                 sock.close(linger=0)
                 ctx.term()
+                self.watch.close()  # watch: a clean stop persists the last number used
         log.info("stopped: %s", self._stop_reason)
 
     def _loop(self) -> None:
@@ -347,6 +355,7 @@ class Daemon:
                 self._dispatch(reasm.tick(now), now)
             self._shed(now)
             self.store.evict(now)
+            self.watch.tick(now)
             self._expire_pending(now)
             if now - self._last_liveness >= LIVENESS_INTERVAL_S:
                 self._last_liveness = now
@@ -355,6 +364,7 @@ class Daemon:
                 self._last_probe = now
                 self._probe_peers()
         busy |= self._send_all()
+        busy |= self.watch.pump(self._send, now)
         return busy
 
     # -- rings --
@@ -604,6 +614,7 @@ class Daemon:
             entry = self.store.add(ev, now)
             if entry is None:
                 continue
+            self.watch.filed(ev, entry)
             if isinstance(ev, Begin):
                 self._resolve_pending(entry, now)
                 continue
@@ -829,6 +840,13 @@ class Daemon:
                 old = self._subs.get((envelope[0], req.id))
                 if old is not None:
                     self._remove(old)
+                else:
+                    self.watch.cancel(envelope, req.id)
+            elif isinstance(req, wf.WatchRequest):
+                refused = self.watch.attach(envelope, req, now)
+                if refused is not None:
+                    self.counters.bad_requests += 1
+                    self._reply(envelope, refused)
             else:
                 # The same id again replaces the subscription: clients resend to resume after
                 # silence (a restarted daemon), from the position they got to.
@@ -862,10 +880,12 @@ class Daemon:
         reason = self._stop_reason
         for sub in list(self._subs.values()):
             self._fail(sub, wf.E_STOPPING, reason, STOP_FLUSH_S)
+        self.watch.stop(reason, time.monotonic())
         deadline = time.monotonic() + STOP_FLUSH_S
-        while self._active and time.monotonic() < deadline:
+        while (self._active or self.watch.busy) and time.monotonic() < deadline:
             self._send_all()
-            if self._active:
+            self.watch.pump(self._send, time.monotonic())
+            if self._active or self.watch.busy:
                 time.sleep(0.005)
         for ring in list(self._rings.values()):
             self._close_ring(ring)  # read cursors live in the files and are current after every poll
@@ -954,6 +974,8 @@ class Daemon:
             "delivered_bytes": c.delivered_bytes,
             "bad_requests": c.bad_requests,
             "delivery_latency_s": self._latency.to_dict(),
+            # watch: "sequence" (numbers given, retained range, state file) and "watchers"
+            **self.watch.snapshot(time.monotonic()),
         }
 
 

@@ -200,6 +200,7 @@ def run_service(config: DaemonConfig, env: Mapping[str, str] | None = None) -> i
     """Run the daemon until SIGTERM/SIGINT; 0 after an orderly stop, 1 when it could not run."""
     setup_logging(config.log_level, env)
     from vllm_tap.daemon.server import Daemon, DaemonError  # lazily: other CLI commands need none of it
+    from vllm_tap.daemon.sequence import SequenceStateError
 
     notifier = Notifier(env)
     svc = _Service(config, notifier)
@@ -220,6 +221,10 @@ def run_service(config: DaemonConfig, env: Mapping[str, str] | None = None) -> i
                 return EXIT_FAILED
         if not svc.stop_requested:
             svc.daemon.run()
+    except SequenceStateError as e:  # the sequence state needs the operator: restarting cannot fix it
+        log.error("%s", e)
+        notifier.stopping(str(e))
+        return EXIT_CONFIG
     except DaemonError as e:  # cannot start (address in use, ...): the message says it all
         log.error("%s", e)
         notifier.stopping(str(e))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from vllm_tap import wire_format as wf
 from vllm_tap.identity import identify
@@ -42,6 +43,7 @@ class Entry:
     names: tuple[str, ...]
     history: list[Event] = field(default_factory=list)
     nbytes: int = 0
+    seq: int = 0  # the capture's sequence number (daemon/watch.py gives it when the Begin is filed)
     finished_at: float | None = None
     end: End | None = None
 
@@ -75,6 +77,8 @@ class Store:
         self.retained_bytes = 0
         self.inflight_bytes = 0  # histories of captures not ended yet
         self.evictions = 0
+        # Told of every capture let go (evicted or replaced), with the reason: watchers report it.
+        self.on_drop: Callable[[Entry, str], None] | None = None
 
     # -- stats --
 
@@ -162,6 +166,8 @@ class Store:
                     del self._by_name[name]
 
     def _drop(self, e: Entry, why: str) -> None:
+        if self.on_drop is not None:
+            self.on_drop(e, why)
         self._unindex(e)
         del self._entries[e.key]
         if e.key in self._finished:

@@ -138,6 +138,8 @@ def daemon_factory(shm_dir, sock_dir):
 
     def make(*, start: bool = True, endpoint: str | None = None, rlimits: dict | None = None, **settings) -> DaemonProcess:
         settings.setdefault("log_level", "INFO")
+        # Its own sequence state (kept across restarts of this DaemonProcess), never the user's default.
+        settings.setdefault("state_dir", os.path.join(sock_dir, f"state{len(made)}"))
         d = DaemonProcess(shm_dir, endpoint or f"ipc://{sock_dir}/d{len(made)}.sock",
                           os.path.join(sock_dir, f"daemon{len(made)}.log"), settings, dict(rlimits or {}))
         made.append(d)

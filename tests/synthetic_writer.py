@@ -50,6 +50,9 @@ class Scenario:
     prefix: str = "req"
     seed: int = 0
     skip_rank: int | None = None  # a rank that never writes (its slices go missing)
+    source: str = "client"  # the capture's source ("client" or "policy"), in the spec of the BEGIN
+    model: str = "synthetic"
+    tap_key: str = ""  # "" = none; else request i gets tap_key f"{tap_key}{i}"
 
     @property
     def world(self) -> int:
@@ -62,10 +65,13 @@ class Scenario:
     def request_id(self, i: int) -> str:
         return f"{self.prefix}-{i}"
 
+    def key(self, i: int) -> str:
+        return f"{self.tap_key}{i}" if self.tap_key else ""
+
     def spec(self) -> CaptureSpec:
         if self.topk:
-            return CaptureSpec(logits=LogitsMode.TOPK, topk=self.topk, layers=self.layers)
-        return CaptureSpec(layers=self.layers)
+            return CaptureSpec(logits=LogitsMode.TOPK, topk=self.topk, layers=self.layers, source=self.source)
+        return CaptureSpec(layers=self.layers, source=self.source)
 
     @classmethod
     def from_json(cls, s: str) -> "Scenario":
@@ -209,8 +215,8 @@ class SyntheticEngine:
         sc = self.sc
         for i in which if which is not None else range(sc.n_requests):
             meta = {"spec": sc.spec().to_meta(), "num_prompt_tokens": sc.prompt_len,
-                    "prompt_token_ids": [token_id(sc, i, p) for p in range(sc.prompt_len)], "n": 1, "model": "synthetic"}
-            self.engine.write_control(rf.RecordKind.BEGIN, sc.request_id(i), meta)
+                    "prompt_token_ids": [token_id(sc, i, p) for p in range(sc.prompt_len)], "n": 1, "model": sc.model}
+            self.engine.write_control(rf.RecordKind.BEGIN, sc.request_id(i), meta, tap_key=sc.key(i))
 
     def run_step(self) -> bool:
         """One engine step over every unfinished request; False once all have ended."""
@@ -235,7 +241,7 @@ class SyntheticEngine:
         sc = self.sc
         spec = sc.spec()
         return RequestTable([RequestRef(
-            sc.request_id(i), spec.key, sc.prompt_len, len([r for r in self.plan if self.plan[r]]), rank_parts,
+            sc.request_id(i), sc.key(i), sc.prompt_len, len([r for r in self.plan if self.plan[r]]), rank_parts,
             start=-1 if spec.tail else spec.first_position(sc.prompt_len), tail=spec.tail, source=spec.source)])
 
     def write_positions(self, i: int, pos: np.ndarray, ranks: list[int] | None = None, step: int | None = None) -> None:
@@ -271,7 +277,7 @@ class SyntheticEngine:
             "reason": "length", "num_prompt_tokens": sc.prompt_len, "num_output_tokens": sc.gen_len,
             "output_token_ids": output_token_ids(sc, i), "end_position": sc.end_position,
             "spec": sc.spec().to_meta(), "source": sc.spec().source,
-        })
+        }, tap_key=sc.key(i))
 
     def live(self, which: list[int] | None = None) -> None:
         """A LIVE record: the requests still capturing (default: those not ended)."""

@@ -339,7 +339,7 @@ def test_store_evicts_finished_captures_lru_within_bytes_and_ttl():
     assert st.resolve("live") is not None and st.in_flight == 1
 
 
-def test_in_process_daemon_hooks_snapshot_and_stop_from_another_thread(shm_dir):
+def test_in_process_daemon_hooks_snapshot_and_stop_from_another_thread(shm_dir, tmp_path):
     """The embedding API the service uses: on_ready, on_tick, snapshot() and stop() from other threads; tcp://."""
     import socket
 
@@ -351,7 +351,7 @@ def test_in_process_daemon_hooks_snapshot_and_stop_from_another_thread(shm_dir):
         port = s.getsockname()[1]
     ready = threading.Event()
     ticks: list[float] = []
-    d = Daemon(DaemonConfig(shm_dir=shm_dir, endpoint=f"tcp://127.0.0.1:{port}"),
+    d = Daemon(DaemonConfig(shm_dir=shm_dir, endpoint=f"tcp://127.0.0.1:{port}", state_dir=str(tmp_path)),
                on_ready=ready.set, on_tick=lambda: ticks.append(time.monotonic()))
     t = threading.Thread(target=d.run)
     t.start()

@@ -303,8 +303,10 @@ class _Systemd:
     def start(self, config_path: str, watchdog_usec: int = 200000) -> subprocess.Popen:
         log = open(self.log_path, "ab")
         st = os.fstat(log.fileno())
+        # STATE_DIRECTORY as systemd sets it for StateDirectory=: the daemon keeps its sequence state there.
         env = _clean_env(NOTIFY_SOCKET="@" + self.name, WATCHDOG_USEC=str(watchdog_usec),
-                         JOURNAL_STREAM=f"{st.st_dev}:{st.st_ino}")
+                         JOURNAL_STREAM=f"{st.st_dev}:{st.st_ino}",
+                         STATE_DIRECTORY=os.path.join(os.path.dirname(self.log_path), "state"))
         proc = subprocess.Popen([sys.executable, "-m", "vllm_tap.daemon.service", "--config", config_path],
                                 env=env, stdout=subprocess.DEVNULL, stderr=log)
         log.close()
@@ -495,6 +497,7 @@ def test_units_keep_the_rings_and_the_contract():
         assert settings["User"] == "vllm-tap" and settings["RuntimeDirectory"].startswith("vllm-tap")
         assert settings["ReadWritePaths"].startswith("/dev/shm/vllm-tap")
         assert int(settings["LimitNOFILE"]) >= 65536  # libzmq aborts when accept() meets EMFILE
+        assert settings["StateDirectory"].startswith("vllm-tap")  # the sequence counter outlives restarts
 
 
 @pytest.mark.skipif(shutil.which("systemd-sysusers") is None, reason="systemd-sysusers not installed")

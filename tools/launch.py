@@ -58,9 +58,13 @@ class DaemonHandle:
     endpoint: str
     log_path: str
     proc: subprocess.Popen | None = None
+    state_dir: str = ""  # its sequence state; "" = a private temporary directory, kept across restarts
 
     def start(self, timeout: float = 20.0, extra: list[str] | None = None) -> "DaemonHandle":
-        argv = [sys.executable, "-m", "vllm_tap.cli", "daemon", "--shm-dir", self.shm_dir, "--endpoint", self.endpoint]
+        if not self.state_dir:
+            self.state_dir = tempfile.mkdtemp(prefix="vllm-tap-state-")
+        argv = [sys.executable, "-m", "vllm_tap.cli", "daemon", "--shm-dir", self.shm_dir, "--endpoint", self.endpoint,
+                "--state-dir", self.state_dir]
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(argv + (extra or []), stdout=out, stderr=out, start_new_session=True)
         from vllm_tap.client import Client, DaemonUnavailable

@@ -1,4 +1,4 @@
-"""`vllm-tap`: run the daemon, subscribe to a capture, show status. Commands stay thin: the work
+"""`vllm-tap`: run the daemon, subscribe to a capture, watch every capture, show status. Commands stay thin: the work
 lives in vllm_tap.daemon and vllm_tap.client."""
 
 from __future__ import annotations
@@ -114,6 +114,103 @@ def _ranges(ps) -> str:
     return ",".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in ranges)
 
 
+# -- watch --
+
+
+def _capture_line(seq: int, begin: Any, end: Any, positions: int) -> str:
+    from vllm_tap.client.watch import source_of
+
+    missing = end.missing_positions if end is not None else []
+    parts = [f"seq={seq}", f"{begin.instance}/{begin.request_id}", f"source={source_of(begin)}"]
+    if begin.tap_key:
+        parts.append(f"tap_key={begin.tap_key}")
+    if begin.model:
+        parts.append(f"model={begin.model}")
+    if end is not None:
+        span = f"{end.expected[0]}..{end.expected[1] - 1}" if end.expected else "-"
+        parts += [f"positions={span}", f"delivered={positions}", f"missing={len(missing)}"
+                  + (f" ({_ranges(missing)})" if missing else ""), f"end={end.reason}"]
+    return " ".join(parts)
+
+
+@main.command()
+@click.option("--since", type=click.IntRange(min=0), default=None, metavar="SEQ",
+              help="Resume after this sequence number (the last one you stored); default: only captures that "
+                   "begin from now on. 0: everything the daemon still retains.")
+@click.option("--instance", default=None, help="Only this engine instance.")
+@click.option("--source", default=None, metavar="client|policy",
+              help="Only captures the request opted into (client) or the server's policy chose (policy).")
+@click.option("--tap-key-prefix", default=None, metavar="PREFIX", help="Only captures whose tap_key starts with PREFIX.")
+@click.option("--model", default=None, help="Only captures of this served model.")
+@click.option("--stream", is_flag=True, help="A line when each capture starts and ends, instead of one at its end.")
+@click.option("--count", type=click.IntRange(min=1), default=None, metavar="N", help="Exit after N captures.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@endpoint_option
+@click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+              help="Give up after this long without contact with the daemon (seconds).")
+def watch(since: int | None, instance: str | None, source: str | None, tap_key_prefix: str | None, model: str | None,
+          stream: bool, count: int | None, as_json: bool, endpoint: str | None, timeout: float) -> None:
+    """Print one line per capture of every request, in sequence order, as they end.
+
+    Lost captures print as `seq=A..B LOST (reason)`. At exit the last sequence number handled goes to
+    stderr as `last_seq=N`: pass it to --since to go on where this left off.
+    """
+    from vllm_tap.client import (
+        Client, LostCaptures, TapError, WatchData, WatchedCapture, WatchEnd, WatchStart,
+    )
+
+    w = Client(endpoint).watch(since, instance=instance, source=source, tap_key_prefix=tap_key_prefix, model=model,
+                               whole=not stream, timeout=timeout)
+    done = 0
+    delivered: dict[int, int] = {}
+    begins: dict[int, Any] = {}
+
+    def emit(obj: dict[str, Any], text: str) -> None:
+        click.echo(json.dumps(obj) if as_json else text)
+
+    try:
+        for item in w:
+            if isinstance(item, LostCaptures):
+                emit({"lost": [item.first, item.last], "reason": item.reason, "detail": item.detail},
+                     f"seq={item.first}..{item.last} LOST ({item.reason}{': ' + item.detail if item.detail else ''})")
+                for seq in [s for s in begins if s in item]:
+                    del begins[seq]
+                    delivered.pop(seq, None)
+                done += len(item)
+            elif isinstance(item, WatchedCapture):
+                emit({"seq": item.seq, "instance": item.instance, "request_id": item.request_id, "source": item.source,
+                      "tap_key": item.tap_key, "response_id": item.response_id, "choice_index": item.choice_index,
+                      "model": item.model, "positions": len(item.capture.positions),
+                      "missing": len(item.end.missing_positions), "reason": item.end.reason},
+                     _capture_line(item.seq, item.begin, item.end, len(item.capture.positions)))
+                done += 1
+            elif isinstance(item, WatchStart):
+                begins[item.seq] = item.begin
+                delivered[item.seq] = 0
+                emit({"seq": item.seq, "start": True, "instance": item.begin.instance,
+                      "request_id": item.begin.request_id, "source": item.source},
+                     "START " + _capture_line(item.seq, item.begin, None, 0))
+            elif isinstance(item, WatchData):
+                if not item.item.missing:
+                    delivered[item.seq] = delivered.get(item.seq, 0) + len(item.item)
+            elif isinstance(item, WatchEnd):
+                begin = begins.pop(item.seq, None)
+                n = delivered.pop(item.seq, 0)
+                emit({"seq": item.seq, "end": item.end.reason, "request_id": item.end.request_id, "positions": n,
+                      "missing": len(item.end.missing_positions)},
+                     "END   " + (_capture_line(item.seq, begin, item.end, n) if begin is not None
+                                 else f"seq={item.seq} end={item.end.reason}"))
+                done += 1
+            if count is not None and done >= count:
+                break
+    except TapError as e:
+        _fail(str(e))  # one line, nothing else: a refused watch handled nothing
+    except KeyboardInterrupt:
+        pass
+    if w.last_seq is not None:
+        click.echo(f"last_seq={w.last_seq}", err=True)
+
+
 # -- status --
 
 
@@ -161,7 +258,31 @@ def _status_text(s: dict[str, Any]) -> str:
             f"{s['subscriptions_refused']}",
         ]
         lines += [f"broken: {b['path']}: {b['why']}" for b in s.get("broken_rings", [])]
+    lines += _watch_status_lines(s)
     return "\n".join(lines)
+
+
+def _watch_status_lines(s: dict[str, Any]) -> list[str]:
+    """The sequence range still retained and the watchers (a daemon without watch has neither key)."""
+    q = s.get("sequence")
+    if not q:
+        return []
+    retained = (f"{q['first_retained']}..{q['last_retained']} ({q['retained']} captures)" if q.get("retained")
+                else "none")
+    lines = [f"sequence: last {q['last']}, retained {retained}, this run from {q['run_first']}, "
+             f"state {q['state_file']}" + (f" NOT PERSISTED: {q['persist_error']}" if q.get("persist_error") else "")]
+    ws = s.get("watchers", [])
+    lines.append(f"watchers: {len(ws)}" + (f" ({s.get('watchers_total', 0)} since start)" if ws or s.get("watchers_total")
+                                           else ""))
+    if ws:
+        lines.append(f"  {'PEER/ID':<28} {'MODE':<8} {'HANDLED':>8} {'BEHIND':>7} {'DELIVERED':>9} {'LOST':>6} "
+                     f"{'SLOW':>6} {'FILTERED':>8}  FILTERS")
+        for w in ws:
+            filters = " ".join(f"{k}={v}" for k, v in sorted(w["filters"].items())) or "-"
+            wait = f" (waiting for {w['waiting_for']} to end)" if w.get("waiting_for") else ""
+            lines.append(f"  {w['peer'][:16] + '/' + str(w['id']):<28} {w['mode']:<8} {w['handled']:>8} {w['behind']:>7} "
+                         f"{w['delivered']:>9} {w['lost']:>6} {w['lost_too_slow']:>6} {w['filtered']:>8}  {filters}{wait}")
+    return lines
 
 
 @main.command()
@@ -169,7 +290,7 @@ def _status_text(s: dict[str, Any]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--timeout", type=click.FloatRange(min=0), default=5.0, show_default=True)
 def status(endpoint: str | None, as_json: bool, timeout: float) -> None:
-    """Rings, writers, requests in flight, bytes and drops of the running daemon."""
+    """Rings, writers, requests in flight, bytes, drops, the retained sequence range and the watchers."""
     from vllm_tap.client import Client, TapError
 
     try:
@@ -178,6 +299,12 @@ def status(endpoint: str | None, as_json: bool, timeout: float) -> None:
         _fail(str(e))
     click.echo(json.dumps(s, indent=2, sort_keys=True) if as_json else _status_text(s))
 
+
+# -- record, export (datasets; vllm_tap.dataset_cli) --
+
+from vllm_tap.dataset_cli import register as _register_datasets  # noqa: E402
+
+_register_datasets(main)
 
 # -- bench (its module imports only click and the stdlib; each part imports what it needs) --
 

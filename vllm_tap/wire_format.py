@@ -8,18 +8,25 @@ client chose, so one socket may carry several subscriptions.
 
 Client -> daemon:
   subscribe {id, name, index?, instance?, from_position?, timeout}
+  watch     {id, since?, whole, instance?, source?, tap_key_prefix?, model?}    (see "watch" below)
   status    {id}
-  cancel    {id}
+  cancel    {id}                                    ends a subscription or a watch
 Daemon -> client:
-  begin  {id, request_id, instance, names, response_id, choice_index, num_prompt_tokens, source, ...}
-  tokens {id, request_id, start, count, token_ids (int32 bytes), num_prompt_tokens, tensors} + buffers
-  gap    {id, request_id, start, stop, reason}            positions [start, stop) are missing
-  end    {id, request_id, reason, missing [[start, stop], ...], complete, output_token_ids, source, ...}
+  begin  {id, seq, request_id, instance, names, response_id, choice_index, num_prompt_tokens, source, ...}
+  tokens {id, seq, request_id, start, count, token_ids (int32 bytes), num_prompt_tokens, tensors} + buffers
+  gap    {id, seq, request_id, start, stop, reason}       positions [start, stop) are missing
+  end    {id, seq, request_id, reason, missing [[start, stop], ...], complete, output_token_ids, source, ...}
          missing: expected positions not delivered, as sorted [start, stop) ranges, never as a list
          of positions; complete: the END was seen and nothing is missing
   error  {id, code, message}                              ends the subscription
   status {id, status}
   ping   {id: nil}                                        a liveness probe of the connection: ignore it
+  watching  {id, since, oldest, next, run_first}          a watch was accepted (its first message)
+  lost      {id, first, last, reason, detail}             captures first..last (inclusive) will not come
+  watermark {id, seq}                                     every capture <= seq is handled for this watch
+
+`seq` is the capture's sequence number (daemon/sequence.py): given when the capture begins,
+strictly increasing across daemon restarts; every message of a capture carries it.
 
 Any change a peer of the previous version would misread must bump WIRE_VERSION; both sides
 answer a message of another version with an error instead of guessing.
@@ -28,14 +35,15 @@ answer a message of another version with an error instead of guessing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, Union
 
 import msgpack
 import numpy as np
 
 from vllm_tap import ring_format as rf
 
-WIRE_VERSION = 1
+# 2: watch / watching / lost / watermark; capture messages carry "seq".
+WIRE_VERSION = 2
 
 # Header keys every message has.
 K_VERSION = "v"
@@ -46,7 +54,8 @@ K_ID = "id"
 SUBSCRIBE = "subscribe"
 STATUS = "status"
 CANCEL = "cancel"
-REQUEST_TYPES = (SUBSCRIBE, STATUS, CANCEL)
+WATCH = "watch"
+REQUEST_TYPES = (SUBSCRIBE, STATUS, CANCEL, WATCH)
 
 # Daemon -> client (STATUS doubles as the reply type).
 BEGIN = "begin"
@@ -55,7 +64,10 @@ GAP = "gap"
 END = "end"
 ERROR = "error"
 PING = "ping"  # the daemon checks that a connection holding subscriptions is still there; clients ignore it
-REPLY_TYPES = (BEGIN, TOKENS, GAP, END, ERROR, STATUS, PING)
+WATCHING = "watching"
+LOST = "lost"
+WATERMARK = "watermark"
+REPLY_TYPES = (BEGIN, TOKENS, GAP, END, ERROR, STATUS, PING, WATCHING, LOST, WATERMARK)
 
 # Error codes (the "code" of an error message); every error ends the subscription it names.
 E_BAD_REQUEST = "bad_request"  # not a message this version understands
@@ -65,8 +77,10 @@ E_AMBIGUOUS = "ambiguous"  # the name matches several captures: pass index= or i
 E_EVICTED = "evicted"  # the capture ended and was dropped from memory (retain_bytes / retain_ttl_s)
 E_TOO_SLOW = "too_slow"  # the subscriber fell more than subscriber_queue messages behind
 E_STOPPING = "stopping"  # the daemon is stopping; message is its reason
-E_LIMIT = "limit"  # too many subscriptions on this connection or in all (max_subscriptions*)
+E_LIMIT = "limit"  # too many subscriptions on this connection or in all (max_subscriptions*), or watches
 E_INTERNAL = "internal"
+E_BAD_FILTER = "bad_filter"  # a watch filter that is unknown or has a bad value
+E_BAD_SINCE = "bad_since"  # a watch `since` that is not a sequence number this daemon gave out yet
 
 # Limits on what a client may send, so a hostile or broken peer costs little.
 MAX_REQUEST_BYTES = 64 << 10
@@ -147,7 +161,7 @@ class Cancel:
         return [pack(CANCEL, self.id)]
 
 
-Request = Subscribe | StatusRequest | Cancel
+Request = Union[Subscribe, StatusRequest, Cancel, "WatchRequest"]
 
 
 def _opt_int(h: dict, key: str, sub_id: int | None) -> int | None:
@@ -169,6 +183,8 @@ def parse_request(frames: Sequence[bytes]) -> Request:
     if t not in REQUEST_TYPES:
         raise WireError(E_BAD_REQUEST, f"unknown message type {t!r}; expected one of {', '.join(REQUEST_TYPES)}", sub_id)
     sid = 0 if sub_id is None else sub_id
+    if t == WATCH:
+        return parse_watch(h, sid)
     if t == STATUS:
         return StatusRequest(sid)
     if t == CANCEL:
@@ -237,3 +253,63 @@ def ranges_of(positions: Iterable[int]) -> list[list[int]]:
 
 def expand_ranges(ranges: Iterable[Sequence[int]]) -> list[int]:
     return [p for a, b in ranges for p in range(a, b)]
+
+
+# -- watch: every capture, in sequence order, resumable (daemon/watch.py keeps the rules) --
+
+# Why captures first..last of a `lost` message will not come (its "reason"; "detail" says more).
+LOST_EVICTED = "evicted"  # dropped from the daemon's memory (retain_bytes / retain_ttl_s) before the watch began
+LOST_TOO_SLOW = "watcher too slow"  # dropped while this watcher was attached but had not read it yet
+LOST_RESTARTED = "daemon restarted"  # numbered by an earlier run of the daemon, whose memory is gone
+LOST_DROPPED = "dropped"  # taken out before it ended (e.g. replaced by a new capture with the same request id)
+LOST_REASONS = (LOST_EVICTED, LOST_TOO_SLOW, LOST_RESTARTED, LOST_DROPPED)
+
+SOURCES = ("client", "policy")  # a capture's source: the request opted in, or the server's policy chose it
+WATCH_FILTERS = ("instance", "source", "tap_key_prefix", "model")
+_WATCH_KEYS = {K_VERSION, K_TYPE, K_ID, "since", "whole", *WATCH_FILTERS}
+MAX_SEQ = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class WatchRequest:
+    """Every capture with seq > since (None: only captures that begin from now on) that passes the
+    filters; `whole`: each capture in one piece at its end, else streamed as it runs."""
+
+    id: int
+    since: int | None = None
+    whole: bool = True
+    instance: str | None = None
+    source: str | None = None
+    tap_key_prefix: str | None = None
+    model: str | None = None
+
+    def frames(self) -> list[bytes]:
+        return [pack(WATCH, self.id, since=self.since, whole=self.whole, instance=self.instance, source=self.source,
+                     tap_key_prefix=self.tap_key_prefix, model=self.model)]
+
+    def filters(self) -> dict[str, str]:
+        return {k: getattr(self, k) for k in WATCH_FILTERS if getattr(self, k) is not None}
+
+
+def parse_watch(h: dict[str, Any], sub_id: int) -> WatchRequest:
+    unknown = sorted(k for k in h if k not in _WATCH_KEYS)
+    if unknown:
+        raise WireError(E_BAD_FILTER, f"unknown watch filter {unknown[0]!r} (known: {', '.join(WATCH_FILTERS)})", sub_id)
+    since = h.get("since")
+    if since is not None and (isinstance(since, bool) or not isinstance(since, int) or not 0 <= since <= MAX_SEQ):
+        raise WireError(E_BAD_SINCE, f"'since' must be a sequence number >= 0 or nil, got {since!r}", sub_id)
+    whole = h.get("whole", True)
+    if not isinstance(whole, bool):
+        raise WireError(E_BAD_FILTER, f"'whole' must be true or false, got {whole!r}", sub_id)
+    vals: dict[str, str | None] = {}
+    for key in WATCH_FILTERS:
+        v = h.get(key)
+        if v is not None and (not isinstance(v, str) or not v or len(v) > MAX_NAME_CHARS):
+            raise WireError(E_BAD_FILTER,
+                            f"watch filter {key!r} must be a non-empty string of at most {MAX_NAME_CHARS} characters, "
+                            f"got {v!r}", sub_id)
+        vals[key] = v
+    if vals["source"] is not None and vals["source"] not in SOURCES:
+        raise WireError(E_BAD_FILTER, f"watch filter 'source' must be one of {', '.join(SOURCES)}, got {vals['source']!r}",
+                        sub_id)
+    return WatchRequest(sub_id, since, whole, **vals)

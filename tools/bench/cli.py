@@ -19,6 +19,7 @@ from typing import Any
 import click
 
 PARTS = ("serving", "hook", "transport")
+ALONE = ("record",)  # parts that `all` does not run
 LATEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "LATEST.md")
 
 
@@ -57,7 +58,7 @@ def _sigterm_to_exit(signum, frame) -> None:
 
 
 @click.command("bench")
-@click.argument("what", type=click.Choice(("all",) + PARTS), default="all")
+@click.argument("what", type=click.Choice(("all",) + PARTS + ALONE), default="all")
 @click.option("--out", default="results", show_default=True, metavar="DIR", help="Parent folder for bench-<timestamp>/.")
 @click.option("--into", default=None, metavar="DIR", help="Add to this existing results folder instead.")
 @click.option("--quick", is_flag=True, help="Small, fast configurations: a smoke check, not a measurement.")
@@ -120,7 +121,15 @@ def bench(what: str, out: str, into: str | None, quick: bool, repeats: int | Non
     for part in parts:
         t0 = time.time()
         click.echo(f"== {part} ({'quick' if quick else 'full'}) -> {outdir}")
-        if part == "transport":
+        if part == "record":
+            from vllm_tap.tools.bench import record
+
+            p = record.RecordParams.quick() if quick else record.RecordParams()
+            if repeats:
+                p.repeats = repeats
+            results["record"] = record.run(p, echo)
+            click.echo(record.table(results["record"]))
+        elif part == "transport":
             from vllm_tap.tools.bench import transport
 
             p = transport.TransportParams.quick() if quick else transport.TransportParams()

@@ -385,6 +385,28 @@ def transport_md(tp: dict[str, Any]) -> list[str]:
                "retain-bytes of data go to newly faulted pages, at the rate above). Every record needs at least three "
                "wake-ups on its way (daemon, its zmq I/O thread, the subscriber), so the wake-up floor bounds the p99.")
     out.append("")
+    out += _watch_md(tp)
+    return out
+
+
+def _watch_md(tp: dict[str, Any]) -> list[str]:
+    """Watch against one subscription per capture (issue 13), from the same run as the table above."""
+    rows = tp.get("watch_summary") or []
+    if not rows:
+        return []
+    out = ["### Watch: every capture through one watch, against one subscription per capture", "",
+           "The writer writes captures one after another (BEGIN, 4 records, END) as fast as the ring allows; each "
+           "consumer process receives every capture whole, through one `Client.watch` (whole mode) or through one "
+           "`fetch` per capture name (the per-request API). Per consumer, from the first commit to its last capture; "
+           "daemon with the default poll interval. The writer's own rate (one Python process) bounds both.", "",
+           "| capture | consumers | via | captures/s per consumer | GB/s per consumer | GB/s delivered (all) "
+           "| writer alone, captures/s | complete |",
+           "|--:|--:|---|--:|--:|--:|--:|---|"]
+    for row in rows:
+        out.append(f"| {transport.size_label(row['capture_bytes'])} | {row['consumers']} | {row['mode']} "
+                   f"| {_f(row['captures_per_s'], '.0f')} | {_f(row['gbps'], '.3f')} | {_f(row['gbps_total'], '.3f')} "
+                   f"| {_f(row['writer_captures_per_s'], '.0f')} | {'yes' if row['complete'] else '**no**'} |")
+    out.append("")
     return out
 
 

@@ -11,6 +11,13 @@ Per (record size, subscribers) and repeat, two phases:
 - throughput: records written as fast as the ring lets the writer (it waits for room, never
   drops); GB/s per subscriber from the first commit to the last record received.
 Configurations are interleaved within each repeat, medians reported over repeats.
+
+Watch (issue 13), against the daemon with the default poll interval: the writer writes many
+captures one after another (BEGIN, `records` DATA records of `size` bytes, END), as fast as the
+ring allows; 1 and 4 consumer processes receive every capture whole, either through one watch each
+(`Client.watch`, whole mode) or, for comparison, through one subscription per capture (`fetch` of
+every name in turn, the per-request API). Captures/s and GB/s per consumer from the first commit to
+the consumer's last capture; the writer's own rate is reported beside them (it bounds both).
 """
 
 from __future__ import annotations
@@ -64,18 +71,26 @@ class TransportParams:
     # empty): the default, and a low-latency setting that spends more CPU polling.
     poll_intervals: list[float] = field(default_factory=lambda: [0.0005, 0.0001])
     trickle_records: int = 200  # at 100/s: the daemon's CPU cost of polling while a capture streams
+    # watch: (records per capture, record bytes) shapes; captures per trial from a byte budget
+    watch_shapes: list[tuple[int, int]] = field(default_factory=lambda: [(4, 4 * KiB), (4, 256 * KiB)])
+    watch_bytes: int = 256 * MiB
+    watch_min_captures: int = 64
+    watch_max_captures: int = 4000
 
     @classmethod
     def quick(cls) -> "TransportParams":
         return cls(sizes=[4 * KiB, 256 * KiB, 1 * MiB], subscribers=[1, 4], repeats=1, latency_records=60,
                    throughput_bytes=16 * MiB, min_records=32, max_records=2000, ring_bytes=64 * MiB,
-                   retain_bytes=32 * MiB, trickle_records=50)
+                   retain_bytes=32 * MiB, trickle_records=50, watch_bytes=16 * MiB, watch_max_captures=500)
 
     def pace(self, size: int) -> float:
         return max(self.min_pace_s, size / self.pace_bandwidth)
 
     def throughput_records(self, size: int) -> int:
         return int(min(self.max_records, max(self.min_records, self.throughput_bytes // size)))
+
+    def watch_captures(self, records: int, size: int) -> int:
+        return int(min(self.watch_max_captures, max(self.watch_min_captures, self.watch_bytes // (records * size))))
 
 
 # -- the writer process --
@@ -97,6 +112,9 @@ def _writer_main(shm: str, ring_bytes: int, cmds: Any, results: Any) -> None:
             cmd = cmds.get()
             if cmd is None:
                 return
+            if cmd[0] == "many":
+                results.put(("done", _write_many(eng, w, logits, spec, *cmd[1:])))
+                continue
             name, size, n, pace = cmd
             width = size // 4
             src = np.random.default_rng(0).standard_normal(width, dtype=np.float32).view(np.uint8)
@@ -131,6 +149,74 @@ def _writer_main(shm: str, ring_bytes: int, cmds: Any, results: Any) -> None:
         eng.close()
 
 
+def _write_many(eng: Any, w: Any, logits: Any, spec: dict, prefix: str, n_caps: int, records: int,
+                size: int) -> dict[str, Any]:
+    """Captures one after another, each whole (BEGIN, records, END), as fast as the ring allows."""
+    from vllm_tap import ring_format as rf
+
+    width = size // 4
+    src = np.random.default_rng(1).standard_normal(width, dtype=np.float32).view(np.uint8)
+    dropped = 0
+    first = 0
+    cpu0 = time.process_time()
+    for c in range(n_caps):
+        name = f"{prefix}-{c}"
+        eng.write_control(rf.RecordKind.BEGIN, name, {"spec": spec, "num_prompt_tokens": 1, "n": 1, "model": "bench"})
+        for k in range(records):
+            res = w.reserve(name, logits, [k], [k], dtype=rf.DType.FLOAT32, width=width, step=k + 1,
+                            num_prompt_tokens=1)
+            if res is None:
+                dropped += 1
+                continue
+            res.payload[:] = src
+            w.commit(res)
+            first = first or time.time_ns()
+        eng.write_control(rf.RecordKind.END, name, {"reason": "length", "num_prompt_tokens": 1,
+                                                    "num_output_tokens": records, "output_token_ids": [],
+                                                    "end_position": records})
+    last = time.time_ns()
+    while not eng.flush():  # control records the engine ring had no room for yet
+        time.sleep(0.001)
+    return {"name": prefix, "first_commit_ns": first, "last_commit_ns": last, "dropped": dropped,
+            "writer_cpu_s": time.process_time() - cpu0}
+
+
+def _consume_many(client: Any, cmd: tuple) -> dict[str, Any]:
+    """("watch", since, n): one watch, every capture whole; ("fetch", prefix, n): one fetch per capture."""
+    from vllm_tap.client import LostCaptures, WatchedCapture
+
+    kind, arg, n = cmd
+    got = nbytes = lost = 0
+    first = last = 0
+    cpu0 = time.process_time()
+    err = ""
+    try:
+        if kind == "watch":
+            w = client.watch(arg, timeout=120.0)
+            for item in w:
+                if isinstance(item, WatchedCapture):
+                    got += 1
+                    nbytes += item.capture.logits.nbytes
+                    last = time.time_ns()
+                    first = first or last
+                elif isinstance(item, LostCaptures):
+                    lost += len(item)
+                if got + lost >= n:
+                    break
+            w.close()
+        else:
+            for c in range(n):
+                cap = client.fetch(f"{arg}-{c}", timeout=120)
+                got += 1
+                nbytes += cap.logits.nbytes
+                last = time.time_ns()
+                first = first or last
+    except Exception as e:  # reported, not raised: the orchestrator decides
+        err = f"{type(e).__name__}: {e}"
+    return {"name": f"{kind}-{arg}", "captures": got, "bytes": nbytes, "lost": lost, "first_ns": first,
+            "last_ns": last, "cpu_s": time.process_time() - cpu0, "error": err}
+
+
 # -- a subscriber process --
 
 
@@ -143,6 +229,9 @@ def _subscriber_main(index: int, endpoint: str, cmds: Any, results: Any) -> None
         name = cmds.get()
         if name is None:
             return
+        if isinstance(name, tuple):
+            results.put(("done", index, _consume_many(client, name)))
+            continue
         lat: list[int] = []
         got = nbytes = gaps = 0
         first = last = 0
@@ -323,7 +412,9 @@ def _round(params: TransportParams, poll_s: float, r: int, workdir: str | None, 
         trickle_cpu = (proc_cpu_seconds(daemon.proc.pid) - cpu0) / (time.monotonic() - t0)
         echo(f"  transport r{r} {tag}: warm-up {warm['gbps_per_sub']:.2f} GB/s into a fresh daemon; daemon CPU at "
              f"100 records/s {100 * trickle_cpu:.1f}% of a core; wake-up p99 {probe['oversleep_p99_ms']:.3f} ms")
-        return {"trials": trials, "warmup": warm, "sched_probe": probe, "trickle_cpu": trickle_cpu, "poll_s": poll_s}
+        watch = _watch_trials(procs, endpoint, params, r, echo) if poll_s == params.poll_intervals[0] else []
+        return {"trials": trials, "warmup": warm, "sched_probe": probe, "trickle_cpu": trickle_cpu, "poll_s": poll_s,
+                "watch": watch}
     finally:
         if procs is not None:
             procs.stop()
@@ -351,7 +442,9 @@ def run(params: TransportParams, workdir: str | None = None, echo=print) -> dict
             "oversleep_p99_ms": median(rd["sched_probe"]["oversleep_p99_ms"] for rd in rs),
             "cpu_per_sleep_us": median(rd["sched_probe"]["cpu_per_sleep_us"] for rd in rs),
         }
+    watch = [t for rd in rounds for t in rd.get("watch", [])]
     return {"params": asdict(params), "trials": trials, "summary": summarise(trials, params), "per_poll": per_poll,
+            "watch_trials": watch, "watch_summary": summarise_watch(watch, params),
             "loadavg_start": load0, "loadavg_end": loadavg(), "seconds": time.time() - t_start}
 
 
@@ -373,5 +466,83 @@ def summarise(trials: list[dict[str, Any]], params: TransportParams) -> list[dic
                     "gbps_total": median(t["gbps_total"] for t in thr),
                     "complete": all(t["complete"] for t in lat + thr),
                     "p99_target": (p99 <= P99_TARGET_MS) if size <= P99_TARGET_UP_TO else None,
+                })
+    return rows
+
+
+# -- watch: every capture through one watch, against one subscription per capture --
+
+
+def _wait_watchers(endpoint: str, n: int, timeout: float = 30.0) -> None:
+    from vllm_tap.client import Client
+
+    deadline = time.monotonic() + timeout
+    c = Client(endpoint)
+    while len(c.status(timeout=5.0).get("watchers", ())) != n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"transport bench: {n} watchers did not attach within {timeout:.0f} s")
+        time.sleep(0.005)
+
+
+def _watch_trials(procs: _Procs, endpoint: str, params: TransportParams, r: int, echo) -> list[dict[str, Any]]:
+    from vllm_tap.client import Client
+
+    client = Client(endpoint)
+    out = []
+    configs = [(shape, ncons, mode) for shape in params.watch_shapes for ncons in params.subscribers
+               for mode in ("watch", "subscribe")]
+    order = configs[r % len(configs):] + configs[: r % len(configs)]
+    for (records, size), ncons, mode in order:
+        n = params.watch_captures(records, size)
+        prefix = f"{mode}-{records}x{size}-{ncons}-{r}"
+        _wait_watchers(endpoint, 0)  # the previous trial's watches are gone
+        if mode == "watch":
+            since = client.status(timeout=5.0)["sequence"]["last"]
+            for i in range(ncons):
+                procs.sub_cmds[i].put(("watch", since, n))
+            _wait_watchers(endpoint, ncons)
+        else:
+            for i in range(ncons):
+                procs.sub_cmds[i].put(("fetch", prefix, n))
+            _wait_waiting(endpoint, ncons)
+        procs.writer_cmds.put(("many", prefix, n, records, size))
+        timeout = 120 + n * 0.05
+        _, wres = _get(procs.writer_results, timeout, "writer result")
+        subs = [_get(procs.sub_results, timeout, "consumer result")[2] for _ in range(ncons)]
+        t0 = wres["first_commit_ns"]
+        rates = [(s["captures"] / ((s["last_ns"] - t0) / 1e9), s["bytes"] / ((s["last_ns"] - t0) / 1e9) / 1e9)
+                 if s["last_ns"] > t0 else (float("nan"), float("nan")) for s in subs]
+        wdt = (wres["last_commit_ns"] - t0) / 1e9
+        t = {"mode": mode, "records": records, "size": size, "capture_bytes": records * size, "consumers": ncons,
+             "captures": n, "repeat": r,
+             "complete": all(s["captures"] == n and not s["lost"] and not s["error"] for s in subs)
+             and wres["dropped"] == 0,
+             "errors": [s["error"] for s in subs if s["error"]], "lost": [s["lost"] for s in subs],
+             "captures_per_s": median(x for x, _ in rates), "captures_per_s_min": min(x for x, _ in rates),
+             "gbps": median(y for _, y in rates), "gbps_total": sum(y for _, y in rates),
+             "writer_captures_per_s": n / wdt if wdt > 0 else float("nan"),
+             "consumer_cpu_s": [s["cpu_s"] for s in subs], "writer_cpu_s": wres["writer_cpu_s"]}
+        out.append(t)
+        echo(f"  transport r{r} {mode:<9} {size_label(records * size):>6} captures x{ncons}: "
+             f"{t['captures_per_s']:.0f} captures/s, {t['gbps']:.3f} GB/s per consumer (writer alone "
+             f"{t['writer_captures_per_s']:.0f}/s){'' if t['complete'] else '  INCOMPLETE ' + str(t['errors'] or t['lost'])}")
+    return out
+
+
+def summarise_watch(trials: list[dict[str, Any]], params: TransportParams) -> list[dict[str, Any]]:
+    rows = []
+    for records, size in params.watch_shapes:
+        for ncons in params.subscribers:
+            for mode in ("watch", "subscribe"):
+                sel = [t for t in trials if (t["records"], t["size"], t["consumers"], t["mode"]) == (records, size, ncons, mode)]
+                if not sel:
+                    continue
+                rows.append({
+                    "mode": mode, "records": records, "size": size, "capture_bytes": records * size, "consumers": ncons,
+                    "captures_per_s": median(t["captures_per_s"] for t in sel),
+                    "captures_per_s_range": spread(t["captures_per_s"] for t in sel),
+                    "gbps": median(t["gbps"] for t in sel), "gbps_total": median(t["gbps_total"] for t in sel),
+                    "writer_captures_per_s": median(t["writer_captures_per_s"] for t in sel),
+                    "complete": all(t["complete"] for t in sel), "repeats": len(sel),
                 })
     return rows

@@ -1,0 +1,252 @@
+"""`vllm-tap bench record`: the recorder's sustained write rate against the raw sequential write
+bandwidth of the same disk, measured in the same run.
+
+1. Raw disk: `raw_mib` MiB written sequentially in 8 MiB blocks to a file in DIR, fsynced.
+2. Recorder: a Recorder (the real one: core, writer thread, Parquet zstd, sha256, fsync, rename,
+   manifest) on DIR, fed in-process with prepared captures (no daemon, so this is the recorder's own
+   ceiling), for a hidden-state-only and a full-logit capture shape; the time includes the final
+   commit. Values are bf16 widened to float32 (what a bf16 model's capture holds), random otherwise.
+Reported: row MB/s (uncompressed tensor bytes taken in and committed), disk MB/s (file bytes out),
+rows/s, and row MB/s / raw MB/s against the 70 % target (the recorder's sustained rate as a share
+of what the disk takes raw; zstd makes the bytes on disk fewer than the rows taken in).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+
+@dataclass
+class RecordParams:
+    dir: str | None = None  # default: a temporary directory under the current one (the disk under test)
+    raw_mib: int = 1024
+    data_mib: int = 1024  # row data fed per case
+    rows_per_capture: int = 256
+    hidden: int = 4096
+    layers: tuple[int, ...] = (8, 16)
+    vocab: int = 32000
+    compression: str = "zstd"
+    file_format: str = "parquet"
+    repeats: int = 2
+    cases: list[str] = field(default_factory=lambda: ["hidden", "logits"])
+    e2e: bool = True  # also daemon -> watch -> recorder against a watch that only reads
+
+    @classmethod
+    def quick(cls) -> "RecordParams":
+        return cls(raw_mib=64, data_mib=64, hidden=1024, vocab=8000, repeats=1)
+
+
+def raw_write_mb_s(path: str, mib: int) -> float:
+    block = np.random.default_rng(0).integers(0, 255, 8 << 20, dtype=np.uint8).tobytes()
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(max(1, mib // 8)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t0
+    os.unlink(path)
+    return max(1, mib // 8) * len(block) / dt / 1e6
+
+
+def _captures(p: RecordParams, case: str, n: int) -> list[Any]:
+    from vllm_tap.client.records import Capture, CaptureBegin
+
+    rng = np.random.default_rng(1)
+    T = p.rows_per_capture
+
+    def bf16(shape: tuple[int, ...]) -> np.ndarray:
+        x = rng.standard_normal(shape, dtype=np.float32)
+        return ((x.view(np.uint32) >> 16) << 16).view(np.float32)
+
+    out = []
+    pool_h = [bf16((T, p.hidden)) for _ in range(3)]
+    pool_l = [bf16((T, p.vocab)) for _ in range(2)] if case == "logits" else []
+    for s in range(n):
+        hid = {l: pool_h[(s + j) % 3] for j, l in enumerate(p.layers)} if case == "hidden" else {p.layers[-1]: pool_h[s % 3]}
+        logits = pool_l[s % 2] if case == "logits" else None
+        prompt = [int(t) for t in rng.integers(0, 1000, T // 2)]
+        outp = [int(t) for t in rng.integers(0, 1000, T - T // 2 + 1)]
+        spec = {"logits": "full" if logits is not None else "none", "layers": list(p.layers), "source": "policy"}
+        b = CaptureBegin(f"r{s}", "default", "", (f"r{s}",), f"c{s}", 0, T // 2, prompt, 1, "bench", spec, 0, False)
+        c = Capture(f"r{s}", "default", f"c{s}", 0, T // 2, prompt, np.arange(T, dtype=np.int32),
+                    np.asarray((prompt + outp)[:T], np.int32), logits, hid, None, None, None, "length", len(outp), outp, [],
+                    (0, T))
+        out.append((b, c))
+    return out
+
+
+def run_case(p: RecordParams, case: str, root: str) -> dict[str, Any]:
+    from vllm_tap.client.record import Recorder, RecordOptions
+
+    caps = _captures(p, case, 8)
+    per_cap = caps[0][1].positions.size * (sum(a.shape[1] for a in caps[0][1].hidden.values())
+                                           + (p.vocab if case == "logits" else 0)) * 4
+    n = max(1, (p.data_mib << 20) // per_cap)
+    dest = tempfile.mkdtemp(prefix=f"rec-{case}-", dir=root)
+    rec = Recorder(dest, RecordOptions(writer="bench", compression=p.compression, file_format=p.file_format)).open()
+    t0 = time.perf_counter()
+    for s in range(n):
+        b, c = caps[s % len(caps)]
+        rec.feed_capture(s, b, c)
+    rec.close()
+    dt = time.perf_counter() - t0
+    assert rec.core is not None
+    st = rec.core.stats
+    m = rec.core.manifest
+    disk = sum(s.bytes + s.captures_bytes for s in m.shards)
+    shutil.rmtree(dest, ignore_errors=True)
+    return {"case": case, "captures": n, "rows": st.rows, "row_bytes": st.tensor_bytes, "file_bytes": disk,
+            "seconds": dt, "row_mb_s": st.tensor_bytes / dt / 1e6, "disk_mb_s": disk / dt / 1e6, "rows_s": st.rows / dt,
+            "shards": len(m.shards)}
+
+
+def run(p: RecordParams, echo: Callable[[str], None]) -> dict[str, Any]:
+    root = p.dir or os.getcwd()
+    work = tempfile.mkdtemp(prefix="vllm-tap-bench-record-", dir=root)
+    rows: list[dict[str, Any]] = []
+    try:
+        for rep in range(p.repeats):
+            raw = raw_write_mb_s(os.path.join(work, "raw.bin"), p.raw_mib)
+            echo(f"raw sequential write: {raw:.0f} MB/s")
+            for case in p.cases:
+                r = run_case(p, case, work)
+                r["raw_mb_s"] = raw
+                r["share_of_raw"] = r["row_mb_s"] / raw
+                r["repeat"] = rep
+                rows.append(r)
+                echo(f"{case:>7}: {r['row_mb_s']:.0f} MB/s of rows in ({r['rows_s']:.0f} rows/s), "
+                     f"{r['disk_mb_s']:.0f} MB/s to disk; rows in = {100 * r['share_of_raw']:.0f} % of raw")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    e2e = None
+    if p.e2e:
+        work = tempfile.mkdtemp(prefix="vllm-tap-bench-record-", dir=root)
+        try:
+            e2e = run_e2e(p, work, echo)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    summary = {}
+    for case in p.cases:
+        rs = [r for r in rows if r["case"] == case]
+        summary[case] = {k: float(np.median([r[k] for r in rs])) for k in
+                         ("row_mb_s", "disk_mb_s", "rows_s", "raw_mb_s", "share_of_raw")}
+    return {"params": {k: v for k, v in vars(p).items()}, "runs": rows, "summary": summary, "target_share_of_raw": 0.7,
+            "e2e": e2e}
+
+
+def table(res: dict[str, Any]) -> str:
+    lines = ["| capture | rows in MB/s | rows/s | to disk MB/s | raw disk MB/s | rows in / raw (target >= 70 %) |",
+             "|---|---|---|---|---|---|"]
+    for case, s in res["summary"].items():
+        lines.append(f"| {case} | {s['row_mb_s']:.0f} | {s['rows_s']:.0f} | {s['disk_mb_s']:.0f} | {s['raw_mb_s']:.0f} "
+                     f"| {100 * s['share_of_raw']:.0f} % |")
+    e = res.get("e2e")
+    if e:
+        lines += ["", f"End to end (writer process -> daemon -> watch, {e['captures']} full-logit captures of "
+                  f"{e['rows_per_capture']} x {e['vocab']}):", "",
+                  "| consumer | MB/s of rows | captures | lost |", "|---|---|---|---|"]
+        for mode in ("watch only", "recorder"):
+            m = e[mode]
+            lines.append(f"| {mode} | {m['mb_s']:.0f} | {m['captures']} | {m['lost']} |")
+    return "\n".join(lines)
+
+
+# -- end to end: a writer process -> daemon -> watch -> recorder, against a watch that only reads --
+
+
+def _e2e_writer(shm: str, n_caps: int, rows: int, width: int, start: Any, done: Any) -> None:
+    """Full-logit captures of `rows` positions, written as fast as the ring takes them (it waits)."""
+    from vllm_tap import ring_format as rf
+    from vllm_tap.records import TensorId
+    from vllm_tap.ring import RingWriter, ring_path
+    from vllm_tap.spec import CaptureSpec
+
+    logits = TensorId(rf.TensorKind.LOGITS)
+    eng = RingWriter(ring_path(shm, "bench", rf.ENGINE_RANK), 4 << 20, rank=rf.ENGINE_RANK)
+    w = RingWriter(ring_path(shm, "bench", 0), 256 << 20, block_timeout=120.0)
+    x = np.random.default_rng(2).standard_normal((rows, width), dtype=np.float32)
+    x = ((x.view(np.uint32) >> 16) << 16).view(np.float32)  # bf16 values, as most models compute
+    spec = CaptureSpec().to_meta()
+    start.wait()
+    for c in range(n_caps):
+        name = f"e2e-{os.getpid()}-{c}"
+        eng.write_control(rf.RecordKind.BEGIN, name, {"spec": spec, "num_prompt_tokens": rows // 2, "n": 1,
+                                                      "model": "bench", "prompt_token_ids": list(range(rows // 2))})
+        for k in range(0, rows, 64):  # chunks of 64 positions, like prefill steps
+            pos = np.arange(k, min(k + 64, rows), dtype=np.int32)
+            w.write(name, logits, pos, pos % 1000, x[pos], step=c * 1000 + k // 64 + 1, num_prompt_tokens=rows // 2)
+        eng.write_control(rf.RecordKind.END, name, {"reason": "length", "num_prompt_tokens": rows // 2,
+                                                    "num_output_tokens": rows - rows // 2 + 1,
+                                                    "output_token_ids": list(range(rows - rows // 2 + 1)),
+                                                    "end_position": rows})
+    while not eng.flush():
+        time.sleep(0.001)
+    done.set()
+    time.sleep(1.0)
+    w.close()
+    eng.close()
+
+
+def run_e2e(p: RecordParams, root: str, echo: Callable[[str], None]) -> dict[str, Any]:
+    import multiprocessing as mp
+
+    from vllm_tap.client import Client, LostCaptures, WatchedCapture
+    from vllm_tap.client.record import Recorder, RecordOptions
+    from vllm_tap.tools.launch import DaemonHandle
+
+    rows, width = p.rows_per_capture, p.vocab
+    n_caps = max(4, (p.data_mib << 20) // (rows * width * 4))
+    out: dict[str, Any] = {"captures": n_caps, "rows_per_capture": rows, "vocab": width}
+    for mode in ("watch only", "recorder"):
+        shm = tempfile.mkdtemp(prefix="vt-bench-rec-", dir="/dev/shm")
+        tmp = tempfile.mkdtemp(prefix="vt-")  # short: ipc socket paths are limited to ~107 bytes
+        daemon = DaemonHandle(shm, f"ipc://{tmp}/d.sock", os.path.join(tmp, "daemon.log"),
+                              state_dir=os.path.join(tmp, "state")).start(extra=["--retain-bytes", str(1 << 30)])
+        ctx = mp.get_context("spawn")
+        start, done = ctx.Event(), ctx.Event()
+        proc = ctx.Process(target=_e2e_writer, args=(shm, n_caps, rows, width, start, done))
+        proc.start()
+        client = Client(daemon.endpoint)
+        # from the newest seq now: a watch is sent on its first read, after the writer has started
+        since = max(0, int(client.status(timeout=5.0)["sequence"]["next"]) - 1)
+        watch = client.watch(since, whole=True, watermarks=True, timeout=120.0)
+        rec = Recorder(tempfile.mkdtemp(prefix="ds-", dir=root), RecordOptions(writer="bench")).open() \
+            if mode == "recorder" else None
+        got = lost = nbytes = 0
+        t0 = None
+        try:
+            time.sleep(0.5)
+            start.set()
+            for item in watch:
+                if isinstance(item, LostCaptures):
+                    lost += len(item)
+                    if rec is not None:
+                        rec.feed_lost(item.first, item.last, item.reason)
+                elif isinstance(item, WatchedCapture):
+                    t0 = t0 or time.perf_counter()
+                    got += 1
+                    nbytes += item.capture.logits.nbytes
+                    if rec is not None:
+                        rec.feed_capture(item.seq, item.begin, item.capture)
+                if got + lost >= n_caps:
+                    break
+            if rec is not None:
+                rec.close()
+            dt = time.perf_counter() - (t0 or time.perf_counter())
+        finally:
+            watch.close()
+            proc.join(60)
+            daemon.stop()
+            shutil.rmtree(shm, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        out[mode] = {"mb_s": nbytes / max(dt, 1e-9) / 1e6, "captures": got, "lost": lost}
+        echo(f"end to end, {mode}: {out[mode]['mb_s']:.0f} MB/s of rows, {got} captures, {lost} lost")
+    return out
