@@ -5,7 +5,7 @@ adapter (hooks/runner_v1.py, hooks/runner_v2.py) hands it a `StepView` built fro
 state, and tells it about requests (`learn`, `forget`). The same core runs under both runners, on CPU
 and CUDA, and in `vllm-tap bench hook` and the tests with torch alone.
 
-    StepView (per step)          rows → request id (batch order, query_start), first position of each
+    StepView (per step)          request id → batch row (row_of), rows of each batch row (query_start), first position of each
                                  request's rows (computed), token ids (host array, or a device tensor
                                  gathered on the device), hidden / aux / logits tensors, the lm head
     RankPlace (per worker)       tensor-parallel rank and size, pipeline stage, layers per stage
@@ -16,15 +16,21 @@ and CUDA, and in `vllm-tap bench hook` and the tests with torch alone.
                                  that have no logits yet: prompt positions)
     core.end(step)               the step's records are published (CPU: now; CUDA: after the copy)
 
-V1 has every tensor at the top of `sample_tokens` and calls `core.capture(view)` (all four at once);
+Both adapters learn a request when the runner admits it (`scheduled_new_reqs`, whose sampling params
+carry the spec) and forget it when the runner drops it. V1 has every tensor at the top of
+`sample_tokens` and calls `core.capture(view)` (all four at once);
 V2 computes logits only inside `sample()`, so its adapter writes the states first and the logits
 when they appear, before the grammar mask modifies them in place.
 
 Rules kept here (performance and correctness):
-- Per step: one dict lookup and a few integer operations per scheduled request, then one ring record
-  per captured tensor for the whole batch, its rows gathered by one copy (two for logits: extra-pass
-  rows, then sampled rows), whatever the number of requests. No per-token Python, no device sync.
-  Per-request work (spec, parts, request-table entry) is done once, when the request is learned.
+- Per step, the cost is proportional to what is captured: the core keeps only the requests that
+  capture (learned at admission, forgotten at finish, by the runner adapter) and with none of them
+  in the step it returns at once. Otherwise one lookup of its batch row (`StepView.row_of`) and a few
+  integer operations per *capturing* request; requests that do not capture cost nothing per step,
+  however many there are. Then one ring record per captured tensor for the whole batch, its rows
+  gathered by one copy (two for logits: extra-pass rows, then sampled rows), whatever the number of
+  requests. No per-token Python, no device sync. Per-request work (spec, parts, request-table
+  entry) is done once, when the request is learned.
 - Under tensor parallelism every rank holds the full logits and residual stream; each rank copies
   only its 1/tp share of the last dimension (no collective). Top-k and chosen indices need whole
   rows: TP rank 0 writes them. The extra lm-head pass is a collective, so every TP rank of the last
@@ -39,7 +45,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -54,7 +60,10 @@ from vllm_tap.spec import CaptureSpec, DTypeMode, LogitsMode
 
 log = logging.getLogger("vllm_tap.hooks")
 
-_UNSEEN = object()
+
+
+def _first(pair: tuple) -> Any:
+    return pair[0]
 _NO_ROWS = np.zeros(0, np.int64)
 
 _LOGITS_ID = TensorId(rf.TensorKind.LOGITS)
@@ -124,11 +133,10 @@ class StepView:
     a tensor, gathered on its device like the payload (decode rows' ids exist only on the GPU under
     async scheduling, and always under V2); `host_ids` makes the adapters' choice. aux: this
     stage's captured layers' hidden states, in `RankPlace.layers` order. logits: the sampled rows, one per request (None when they come later through
-    `write_logits`, or on a non-last stage). describe(i): (extra_args, prompt length) of batch row
-    i's request the first time the core sees it, for runners that keep them (V1); runners that tell
-    the core at admission (V2, `learn`) leave it None."""
+    `write_logits`, or on a non-last stage). Requests are told to the core at admission (`learn`),
+    never discovered from the batch: a step walks only the capturing requests."""
 
-    req_ids: Sequence[str]
+    req_ids: Sequence[str]  # batch order; the core never walks it per step (row_of finds its requests)
     query_start: np.ndarray  # [num_reqs + 1]: request i owns rows [query_start[i], query_start[i+1])
     computed: np.ndarray  # [num_reqs]: the position of request i's first row this step
     token_ids: Any  # np.ndarray | torch.Tensor, [num_rows]
@@ -137,7 +145,9 @@ class StepView:
     logits: torch.Tensor | None = None
     compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None  # the lm head
     finished: Iterable[str] = ()  # requests to forget before this step
-    describe: Callable[[int], tuple[dict | None, int]] | None = None
+    # request id -> batch row, for the scheduled requests (V1: input_batch.req_id_to_index); None:
+    # built from req_ids (one C-level pass, for callers without such a map)
+    row_of: Mapping[str, int] | None = None
 
 
 class _Part(NamedTuple):
@@ -254,7 +264,8 @@ class CaptureCore:
         # A step's rows of one tensor share a record up to this size; beyond it they are split by
         # request, so one huge batch (many prefill chunks of full logits) cannot outgrow the ring.
         self.max_record_bytes = max_record_bytes or max(writer.capacity // 8, 1 << 16)
-        self.requests: dict[str, _Request | None] = {}  # by request id; None: not capturing
+        # The capturing requests only, by id: their number, not the batch's, sets a step's cost.
+        self.requests: dict[str, _Request] = {}
         self._contributors: dict[CaptureSpec, int] = {}
         self._parts: dict[CaptureSpec, tuple[_Part, ...]] = {}
         self._indices: dict[tuple[int, ...], torch.Tensor] = {}
@@ -264,7 +275,11 @@ class CaptureCore:
 
     def learn(self, rid: str, extra_args: dict | None, num_prompt: int) -> None:
         """A request the runner admitted (again, after a preemption): work out what it captures."""
-        self.requests[rid] = self._request(rid, extra_args, num_prompt)
+        req = self._request(rid, extra_args, num_prompt)
+        if req is None:
+            self.requests.pop(rid, None)  # a re-used id that captured before does not now
+        else:
+            self.requests[rid] = req
 
     def forget(self, rid: str) -> None:
         self.requests.pop(rid, None)
@@ -341,6 +356,8 @@ class CaptureCore:
         self.step += 1
         for rid in view.finished:
             self.requests.pop(rid, None)
+        if not self.requests:
+            return None  # nobody captures: nothing per request, nothing per row
         plans, extra_rows, single = self._plan(view)
         if not plans and not extra_rows:
             return None
@@ -352,28 +369,22 @@ class CaptureCore:
     def _plan(self, view: StepView) -> tuple[list[_Plan], list[np.ndarray], bool]:
         """The step's capturing requests, the rows of the extra lm-head pass, and whether every
         plan is one sampled row (a decode step)."""
-        req_ids = view.req_ids
-        seen = self.requests
-        chosen = []
-        for i, rid in enumerate(req_ids):
-            r = seen.get(rid, _UNSEEN)
-            if r is _UNSEEN:
-                if view.describe is None:
-                    r = None  # never admitted through learn(): not ours to capture
-                else:
-                    extra, n_prompt = view.describe(i)
-                    r = self._request(rid, extra, int(n_prompt))
-                seen[rid] = r
-            if r is not None:
-                chosen.append(i)
-        if not chosen:
+        row_of = view.row_of
+        if row_of is None:
+            row_of = dict(zip(view.req_ids, range(len(view.req_ids))))
+        found = []
+        for rid, req in self.requests.items():
+            i = row_of.get(rid)
+            if i is not None:
+                found.append((i, req))
+        if not found:
             return [], [], True
+        found.sort(key=_first)  # batch order: row tables and gathers take rows ascending
         qsl = view.query_start
         computed = view.computed
         plans, extra_rows, extra_n, single = [], [], 0, True
         logits_here = self.is_last_stage
-        for i in chosen:
-            req = seen[req_ids[i]]
+        for i, req in found:
             r0, r1, c = int(qsl[i]), int(qsl[i + 1]), int(computed[i])
             a, b = req.live
             lo, hi = max(a, c), min(b, c + r1 - r0)

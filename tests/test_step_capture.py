@@ -60,11 +60,17 @@ class Step:
         s = self.specs[i]
         return None if s is None else {SPEC_EXTRA_ARG: s.to_meta()}
 
+    def learn(self, core, extra=None):
+        """Admit the step's requests to the core, as a runner adapter does (extra: override of
+        request i's extra_args)."""
+        for i, rid in enumerate(self.req_ids):
+            core.learn(rid, self.extra(i) if extra is None else extra(i), int(self.prompt[i]))
+        return core
+
     def view(self, **kw) -> StepView:
         args = dict(req_ids=self.req_ids, query_start=self.qsl, computed=self.computed,
                     token_ids=self.ids if self.ids_on_device else self.ids.numpy(), hidden=self.hidden,
-                    aux=self.aux, logits=self.logits, compute_logits=self.compute_logits,
-                    describe=lambda i: (self.extra(i), int(self.prompt[i])))
+                    aux=self.aux, logits=self.logits, compute_logits=self.compute_logits)
         args.update(kw)
         return StepView(**args)
 
@@ -173,7 +179,7 @@ def test_a_mixed_step_is_read_back_per_request_exactly(ring, staged, ids_on_devi
     wherever the token ids live (a tensor's are gathered like the payload)."""
     writer = ring()
     st = Step(SPECS, SCHEDULED, COMPUTED, PROMPT, ids_on_device=ids_on_device)
-    core = make_core(writer, staged=staged, max_record_bytes=max_record_bytes)
+    core = st.learn(make_core(writer, staged=staged, max_record_bytes=max_record_bytes))
     try:
         core.capture(st.view())
         finish(core)
@@ -234,7 +240,7 @@ def test_a_request_computed_past_its_end_is_written_at_its_true_position(ring):
     specs = [CaptureSpec(layers=LAYERS), CaptureSpec(layers=LAYERS)]
     # Batch of two decodes: r0 finished last step (its row is one past its end), r1 still running.
     st = Step(specs, [1, 1], [end_position, 7], [n_prompt, 5], seed=3, ids_on_device=True)
-    core = make_core(writer)
+    core = st.learn(make_core(writer))
     try:
         core.capture(st.view())
         got, _, _, _ = read(writer.path)
@@ -257,11 +263,10 @@ def test_a_malformed_spec_means_no_capture_for_that_request_only(ring):
     st = Step([CaptureSpec(layers=LAYERS), CaptureSpec(layers=LAYERS)], [3, 1], [0, 4], [3, 3])
     bad = {0: {SPEC_EXTRA_ARG: "x"}, 1: {SPEC_EXTRA_ARG: {"logits": "nope"}}}
     for kind in bad.values():
-        core = make_core(writer)
-        view = st.view(describe=lambda i, kind=kind: (kind if i == 0 else st.extra(i), int(st.prompt[i])))
-        core.capture(view)  # no exception
+        core = st.learn(make_core(writer), extra=lambda i, kind=kind: kind if i == 0 else st.extra(i))  # no exception
+        core.capture(st.view())
         got, _, _, _ = read(writer.path)
-        assert core.requests["r0"] is None and set(got) == {"r1"}
+        assert "r0" not in core.requests and set(got) == {"r1"}
         core.close()
 
 
@@ -273,7 +278,7 @@ def test_every_tp_rank_runs_the_extra_lm_head_pass_even_with_nothing_to_write(ri
     st = Step([spec], [4], [0], [8])
     counts = {}
     for tp_rank in (0, 1):
-        core = make_core(writer, place=RankPlace(tp_rank=tp_rank, tp_size=2, stage_layers=(LAYERS,)))
+        core = st.learn(make_core(writer, place=RankPlace(tp_rank=tp_rank, tp_size=2, stage_layers=(LAYERS,))))
         st.lm_calls = 0
         core.capture(st.view())
         counts[tp_rank] = st.lm_calls
@@ -288,7 +293,7 @@ def test_states_now_logits_later_is_the_same_as_all_at_once(ring):
     results = []
     for split in (False, True):
         writer = ring()
-        core = make_core(writer)
+        core = st.learn(make_core(writer))
         if split:
             step = core.begin(st.view(logits=None))
             step.write_states()
@@ -306,7 +311,7 @@ def test_states_now_logits_later_is_the_same_as_all_at_once(ring):
 def test_logits_that_never_come_are_reported_as_dropped(ring):
     writer = ring()
     st = Step([CaptureSpec(layers=LAYERS)], [3], [0], [3])
-    core = make_core(writer)
+    core = st.learn(make_core(writer))
     step = core.begin(st.view(logits=None))
     step.write_states()
     core.end(step)  # the runner never called sample()
@@ -322,7 +327,7 @@ def test_a_step_failing_half_way_publishes_nothing_and_the_ring_goes_on(ring, st
     keeps publishing in order), the step's rows are reported lost, and the next step is whole."""
     writer = ring()
     st = Step(SPECS, SCHEDULED, COMPUTED, PROMPT)
-    core = make_core(writer, staged=staged)
+    core = st.learn(make_core(writer, staged=staged))
     boom = st.view(aux=[st.aux[0], None])  # hidden.5 fails after hidden.2 was reserved
     with pytest.raises(Exception):
         core.capture(boom)
@@ -367,6 +372,7 @@ def test_staged_publisher_commits_only_after_the_copy_and_drops_when_staging_is_
         steps = [Step(specs, [1] * 4, [10 + k] * 4, [5] * 4, seed=k) for k in range(3)]
         for st in steps:
             st.computed = np.array([10 + steps.index(st)] * 4, np.int32)
+            st.learn(core)
             core.capture(st.view())
         assert core.publisher.staging_drops == 3  # the third step's logits, hidden.2, hidden.5
         gate.set()
@@ -397,7 +403,7 @@ def test_staged_copies_happen_after_the_step_returns(ring):
                        model_dtype=torch.float32)
     try:
         st = Step([CaptureSpec(layers=LAYERS)], [3], [0], [3])
-        core.capture(st.view())
+        st.learn(core).capture(st.view())
         reader = RingReader(writer.path)
         assert reader.poll() == []
         gate.set()

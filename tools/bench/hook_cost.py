@@ -3,7 +3,7 @@ to memcpy the bytes it captured at the memcpy bandwidth measured in the same run
 
 This drives the real capture core (hooks/capture_core.py), the CPU publisher and the real RingWriter
 in-process with torch alone (no vLLM), on a runner-neutral step view built from real torch tensors
-of the bench model's sizes, as the V1 adapter builds it (requests described on first sight): it is a
+of the bench model's sizes, as the V1 adapter builds it (requests learned at admission): it is a
 micro-benchmark of our code, not a test of vLLM. The CUDA path has its own check, tools/gpu_check.py. The ring is
 consumed between steps (its read cursor set to the write cursor, as an instantly draining daemon
 would), outside the timed region.
@@ -119,8 +119,9 @@ class _Step:
             token_ids=torch.randint(3, vocab, (n_rows,), dtype=torch.int32, generator=g).numpy(),
             hidden=hidden_states, aux=[torch.randn(n_rows, hidden, generator=g) for _ in layers],
             logits=torch.randn(sc.batch, vocab, generator=g), compute_logits=model.compute_logits,
-            describe=lambda i: (spec if i < sc.capturing else None, sc.prompt_len),
+            row_of={rid: i for i, rid in enumerate(self.req_ids)},  # V1's input_batch.req_id_to_index
         )
+        self.spec = spec
         row_bytes = (vocab + hidden * len(layers)) * 4
         self.captured_bytes = sc.capturing * sc.rows_per_request * row_bytes
         self.extra_rows = sc.capturing * (sc.rows_per_request - 1)
@@ -235,6 +236,9 @@ def run(params: HookParams, echo=print) -> dict[str, Any]:
             steps = [_Step(sc, vocab, params.hidden_size, params.layers, model, params.num_layers) for sc in scenarios]
             writer = RingWriter(ring_path(shm, f"hook-v{vocab}", 0), params.ring_bytes)
             cap = CaptureCore(writer, RankPlace(stage_layers=(tuple(params.layers),)), Publisher(writer))
+            for st in steps:  # admitted once, as the runner adapters do (not timed: not per step)
+                for i, rid in enumerate(st.req_ids):
+                    cap.learn(rid, st.spec if i < st.sc.capturing else None, st.sc.prompt_len)
             caps.append(cap)
             # Fault the ring's pages in: a serving process laps its ring within minutes, so the
             # steady state the hook lives in is a mapped ring (the header is left alone).
