@@ -11,6 +11,9 @@ the reader only ever sees whole records.
 The writer must never fault the process it lives in:
   - a ring's whole size is reserved when it is created (posix_fallocate), so a full /dev/shm is a
     `RingSpaceError` at start-up, never a SIGBUS when a sparse page is first touched;
+  - and its pages are mapped into the writer at creation (MADV_POPULATE_WRITE, else one store per
+    page), so the step thread's first lap of the ring does not take a page fault every 4 KiB (copying
+    1 MB into fresh pages ran at ~1 GB/s against ~8 GB/s into mapped ones);
   - before it stores, the writer checks that its file still has its size (one fstat at a step's
     first reservation, one at its commit, one per control record). A file someone truncated is
     abandoned: every later write is dropped and counted in the process (`lost()`), one error is
@@ -113,6 +116,22 @@ def ensure_dir(path: str, mode: int = 0o700, group: str | None = None) -> None:
             log.warning("cannot give %s to group %s", path, group)
 
 
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.13 names it
+_PAGE_BYTES = mmap.PAGESIZE
+
+
+def _prefault(mm: mmap.mmap) -> None:
+    """Map every page of a new ring for writing now, at start-up, not on the step thread later."""
+    try:
+        mm.madvise(MADV_POPULATE_WRITE)
+        return
+    except (OSError, ValueError, AttributeError):
+        pass  # an older kernel: touch the pages (the file is fresh, all zeros)
+    a = np.frombuffer(mm, np.uint8)
+    a[::_PAGE_BYTES] = 0
+    del a
+
+
 class _Cursor:
     """One little-endian u64 in the header. An aligned 8-byte numpy store is a single move."""
 
@@ -187,6 +206,7 @@ class RingWriter:
                     raise
                 raise RingSpaceError(dirname, self._size, free_bytes(dirname)) from None
             self._mm = mmap.mmap(fd, self._size)
+            _prefault(self._mm)
         except BaseException:
             os.close(fd)
             os.unlink(tmp)
