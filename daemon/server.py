@@ -70,7 +70,8 @@ SEND_BATCH = 64  # messages per subscriber per round, for fairness between subsc
 SNDHWM = 256  # messages the socket holds per subscriber before sends to it would block
 MAX_FRAME_BYTES = 1 << 20  # a request is one frame of at most wire_format.MAX_REQUEST_BYTES
 IDLE_AFTER_S = 1.0  # after this long with nothing to do ...
-IDLE_SLEEP_S = 0.005  # ... sleep up to this long between ring polls
+IDLE_SLEEP_S = 0.005  # ... sleep up to this long between ring polls (no doorbell)
+DOORBELL_BACKSTOP_S = TICK_INTERVAL_S  # with the doorbell: the longest sleep (the tick is due then)
 STOP_FLUSH_S = 1.0  # how long stop() tries to get the final messages out
 TOO_SLOW_FLUSH_S = 5.0  # how long a cut-off subscriber's error is retried
 MAX_NOFILE = 1 << 20  # the soft descriptor limit is raised to the hard one, up to this
@@ -315,12 +316,19 @@ class Daemon:
             watched = want
             bell = self._doorbell
             if bell is not None:
-                # Writers ring after every commit: wait for that or a request. The timer is only a
-                # backstop for a writer that could not ring (no permission, a lost wake-up).
+                # Writers ring after a commit while we sleep (the rings' waiting flags): wait for that
+                # or a request. The timer is the tick, and a backstop for a writer that could not
+                # ring (no permission, a lost wake-up).
                 if polled_bell is not bell:
                     poller.register(bell.fileno(), zmq.POLLIN)
                     polled_bell = bell
-                woke = dict(poller.poll(timeout=max(interval, IDLE_SLEEP_S) * 1000))
+                readers = [r.reader for r in self._order]
+                if not _arm(readers):
+                    continue  # a commit came in as we were about to sleep: read it first
+                try:
+                    woke = dict(poller.poll(timeout=max(interval, DOORBELL_BACKSTOP_S) * 1000))
+                finally:
+                    _disarm(readers)
                 if bell.fileno() in woke:
                     self.counters.doorbell_wakeups += bell.drain()
                 if any(fd in woke for fd in watched):
@@ -995,6 +1003,39 @@ def _prepare_endpoint(endpoint: str, ctx: zmq.Context) -> None:
             raise DaemonError(f"another daemon is already serving {endpoint}")
     elif not endpoint.startswith(("tcp://", "inproc://")):
         raise DaemonError(f"unsupported endpoint {endpoint!r}: use ipc://PATH or tcp://HOST:PORT")
+
+
+_FENCE = threading.Lock()
+
+
+def _arm(readers: list) -> bool:
+    """Raise every ring's waiting flag before sleeping, then look again (futex-style: a writer that
+    committed before it saw the flag is found here; one that commits after it rings). False, with
+    the flags lowered, when something is there to read."""
+    for r in readers:
+        try:
+            r.set_waiting(True)
+        except OSError:
+            pass  # a broken ring: the next read finds out
+    with _FENCE:  # a locked instruction: our flag stores are visible before the cursor loads below
+        pass
+    for r in readers:
+        try:
+            new = r.has_new()
+        except Exception:  # noqa: BLE001 - RingBroken and the like: let the next round handle it
+            new = True
+        if new:
+            _disarm(readers)
+            return False
+    return True
+
+
+def _disarm(readers: list) -> None:
+    for r in readers:
+        try:
+            r.set_waiting(False)
+        except OSError:
+            pass
 
 
 def _answers(ctx: zmq.Context, endpoint: str, timeout_s: float = 0.3) -> bool:

@@ -230,6 +230,7 @@ class RingWriter:
             name: _Cursor(self._buf, rf.STATS_OFFSET + 8 * i) for i, name in enumerate(rf.STATS_FIELDS)
         }
         self._stats_u64 = self._buf[rf.STATS_OFFSET : rf.STATS_OFFSET + 8 * len(rf.STATS_FIELDS)].view("<u8")
+        self._waiting = self._buf[rf.READER_WAITING_OFFSET : rf.READER_WAITING_OFFSET + 8].view("<u8")
         self._reserved = 0  # cursor just past the last reservation
         self._pending: collections.deque[Reservation] = collections.deque()
         self._lock = threading.Lock()
@@ -450,8 +451,16 @@ class RingWriter:
         self._wake()
         return done
 
+    @property
+    def reader_waiting(self) -> bool:
+        """Whether the reader said it is about to block (and has not woken since)."""
+        return bool(self._waiting[0])
+
     def _wake(self) -> None:
-        if self._doorbell is not None:
+        # Called after the lock that published the cursor was released: that release is the barrier
+        # between the cursor store and this load (ring_format.READER_WAITING_OFFSET).
+        if self._doorbell is not None and self._waiting[0]:
+            self._waiting[0] = 0  # one ring per sleep; the reader sets it again before it next blocks
             self._doorbell.ring()
 
     # -- data records --
@@ -590,7 +599,7 @@ class RingWriter:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        self._buf = self._data = None  # type: ignore[assignment]
+        self._buf = self._data = self._waiting = None  # type: ignore[assignment]
         self._write = self._read = None  # type: ignore[assignment]
         self._stats = {}
         try:
@@ -815,6 +824,16 @@ class RingReader:
 
     def pending_bytes(self) -> int:
         return self.write_cursor() - self._r
+
+    def set_waiting(self, on: bool) -> None:
+        """Tell the writer we are about to block (it rings the doorbell at its next commit) or are
+        awake (it does not). See ring_format.READER_WAITING_OFFSET for the protocol."""
+        if self._writable:
+            os.pwrite(self._fd, b"\x01\0\0\0\0\0\0\0" if on else bytes(8), rf.READER_WAITING_OFFSET)
+
+    def has_new(self) -> bool:
+        """Whether the writer committed past what this reader has consumed."""
+        return self.write_cursor() != self._r
 
     def fileno(self) -> int:
         return self._fd
