@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView
+from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView, topk_rows
 from vllm_tap.hooks.publisher import HostBackend, Publisher, StagedPublisher, StagingRing
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
 from vllm_tap.ring import RingReader, RingWriter
@@ -94,8 +94,10 @@ class Step:
                     got["logits"][p] = lg.numpy()
                 elif spec.logits == LogitsMode.TOPK:
                     got["topk_ids"][p] = torch.topk(lg, spec.topk).indices.numpy()
+                    got["logsumexp"][p] = torch.logsumexp(lg, -1, keepdim=True).numpy()
                 elif spec.logits == LogitsMode.INDICES:
                     got["chosen"][p] = lg[list(spec.indices)].numpy()
+                    got["logsumexp"][p] = torch.logsumexp(lg, -1, keepdim=True).numpy()
                 for layer in spec.layers:
                     got[f"hidden.{layer}"][p] = self.aux[LAYERS.index(layer)][row].numpy()
             out[rid] = got
@@ -194,19 +196,78 @@ def test_a_mixed_step_is_read_back_per_request_exactly(ring, staged, ids_on_devi
     (p2,) = want["r2"]["topk_ids"]
     full = st.compute_logits(st.hidden[st.qsl[3] - 1])
     np.testing.assert_allclose(got["r2"]["topk_values"][p2], full[torch.topk(full, 3).indices].numpy(), atol=1e-5)
-    assert parts == {"r0": 3, "r2": 2, "r3": 2, "r4": 2, "r5": 3, "r6": 3}
+    # ... and with the row's logsumexp they are its exact log-probabilities.
+    logprobs = torch.log_softmax(full, -1)[torch.topk(full, 3).indices].numpy()
+    np.testing.assert_allclose(got["r2"]["topk_values"][p2] - got["r2"]["logsumexp"][p2], logprobs, atol=1e-5)
+    assert parts == {"r0": 3, "r2": 3, "r3": 2, "r4": 3, "r5": 3, "r6": 3}
     if max_record_bytes is None:
-        # One record per tensor for the whole step: logits, hidden.2, hidden.5, top-k ids + values, chosen.
-        assert n_records == 6
+        # One record per tensor for the whole step: logits, hidden.2, hidden.5, top-k ids + values,
+        # chosen, and a logsumexp beside each of the last two (their requests differ).
+        assert n_records == 8
     else:
-        assert n_records > 6
+        assert n_records > 8
+
+
+@pytest.mark.parametrize("vocab", [50, 1000, 32000, 32011])
+def test_top_k_through_group_maxima_is_torch_topk(vocab):
+    """The CPU top-k (group maxima, then candidates) gives torch.topk's values, and its ids where the
+    values are distinct; ties, -inf and a vocabulary that is not a multiple of the stripes included."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g)
+    x[1] = 0.0  # all tied
+    x[2, : vocab // 2] = float("-inf")
+    x[3, -5:] = 100.0 + torch.arange(5.0)  # the largest in the tail past the last whole stripe
+    x[4] = torch.round(x[4] * 2) / 2  # many ties
+    for k in (1, 5, 20):
+        values, ids = topk_rows(x, k)
+        want = torch.topk(x, k, dim=-1, sorted=True)
+        assert torch.equal(values, want.values)
+        assert torch.equal(torch.gather(x, 1, ids), values), "each id holds its value"
+        assert all(len(set(r.tolist())) == k for r in ids), "ids are distinct"
+        distinct = [0, 3, 5, 6, 7, 8]
+        assert torch.equal(ids[distinct], want.indices[distinct])
+        # Rows sliced out of a larger batch (a view with a storage offset), as a decode step's are.
+        assert torch.equal(topk_rows(x[5:8], k)[1], want.indices[5:8])
+
+
+def test_top_k_requests_with_different_k_share_one_pass_and_get_their_own_rows(ring):
+    """Requests asking top-3, top-5 and chosen ids in one step (one gather, one top-k at k=5, one
+    logsumexp): each gets exactly its own rows, and logit - logsumexp is log_softmax."""
+    writer = ring()
+    specs = [CaptureSpec(logits=LogitsMode.TOPK, topk=3, layers=()), None,
+             CaptureSpec(logits=LogitsMode.TOPK, topk=5, layers=()),
+             CaptureSpec(logits=LogitsMode.INDICES, indices=(4, 9), layers=()),
+             CaptureSpec(logits=LogitsMode.TOPK, topk=3, layers=())]
+    st = Step(specs, [3, 1, 1, 2, 1], [0, 7, 9, 1, 4], [3, 8, 6, 3, 3])
+    core = st.learn(make_core(writer))
+    try:
+        core.capture(st.view())
+        got, _, drops, _ = read(writer.path)
+    finally:
+        core.close()
+    assert not drops
+    want = st.expected()
+    assert_matches(got, want)
+    all_logits = st.hidden @ st.weight.T
+    for i, rid in enumerate(st.req_ids):
+        if specs[i] is None:
+            continue
+        for p, lse in got[rid]["logsumexp"].items():
+            row = all_logits[int(st.qsl[i]) + p - int(st.computed[i])]
+            logp = torch.log_softmax(row, -1)
+            if specs[i].logits == LogitsMode.TOPK:
+                ids = got[rid]["topk_ids"][p]
+                assert len(ids) == specs[i].topk
+                np.testing.assert_allclose(got[rid]["topk_values"][p] - lse, logp[ids].numpy(), atol=1e-5)
+            else:
+                np.testing.assert_allclose(got[rid]["chosen"][p] - lse, logp[[4, 9]].numpy(), atol=1e-5)
 
 
 def test_the_core_imports_no_vllm():
     """The core runs with torch alone: capture a step in a fresh interpreter, then look."""
     code = (
         "import sys, torch, numpy as np\n"
-        "from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView\n"
+        "from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView, topk_rows\n"
         "from vllm_tap.hooks.publisher import Publisher\n"
         "from vllm_tap.hooks.settings import SPEC_EXTRA_ARG\n"
         "from vllm_tap.ring import RingWriter, RingReader\n"
