@@ -164,29 +164,6 @@ WINDOWS = {  # form -> the positions it holds for P = 20 prompt tokens and 10 ge
 TAILS = {"output[-3:]": range(26, 29), "all[-2:]": range(27, 29)}  # the daemon keeps the last N at the END
 
 
-def _daemon_keeps_tails() -> bool:
-    """Whether this daemon's reassembler delivers the last N positions of a tail window (N > 1)."""
-    import numpy as np
-
-    from vllm_tap import ring_format as rf
-    from vllm_tap.daemon.reassembly import Reassembler, Tokens
-    from vllm_tap.records import RingRecord, TensorId
-    from vllm_tap.spec import CaptureSpec
-
-    r = Reassembler()
-    meta = {"spec": CaptureSpec(positions="output[-2:]").to_meta(), "num_prompt_tokens": 2, "n": 1}
-    events = r.feed(RingRecord(kind=rf.RecordKind.BEGIN, request_id="t", rank=rf.ENGINE_RANK, ring="engine.ring",
-                               meta=meta), 0.0)
-    for step, p in enumerate((1, 2, 3)):
-        pos = np.array([p], np.int32)
-        events += r.feed(RingRecord(kind=rf.RecordKind.DATA, request_id="t", step=step, tensor=TensorId(rf.TensorKind.LOGITS),
-                                    dtype=rf.DType.FLOAT32, slice_stop=1, full_dim=1, num_prompt_tokens=2, positions=pos,
-                                    token_ids=pos, data=np.zeros((1, 1), np.float32), ring="rank-00000.ring"), 0.0)
-    events += r.feed(RingRecord(kind=rf.RecordKind.END, request_id="t", rank=rf.ENGINE_RANK, ring="engine.ring",
-                                meta={"reason": "length", "num_prompt_tokens": 2, "end_position": 4}), 0.0)
-    return [int(p) for e in events if isinstance(e, Tokens) for p in e.positions] == [2, 3]
-
-
 def _windows_against_the_full_capture(stack, windows: dict) -> None:
     prompt = prompt_text(_ids(20, 77))
     forms = {"full": {"tap": 1}}
@@ -209,8 +186,6 @@ def test_every_window_form_against_the_full_capture(stack):
     _windows_against_the_full_capture(stack, WINDOWS)
 
 
-@pytest.mark.xfail(not _daemon_keeps_tails(), strict=True,
-                   reason="this daemon's reassembler delivers only the last position of a tail window (helper H1's work)")
 def test_tail_windows_are_the_last_n_positions(stack):
     _windows_against_the_full_capture(stack, TAILS)
 
