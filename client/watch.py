@@ -365,6 +365,10 @@ class WatchState:
         if self.whole:
             if self._handled(seq):
                 return []
+            if seq == self._cur_seq and begin.request_id == getattr(self._cur_begin, "request_id", None) \
+                    and not begin.lazy:
+                self._cur_begin = begin  # a late BEGIN completed the metadata: keep the data so far
+                return []
             self._cur_seq, self._cur_begin, self._cur = seq, begin, CaptureBuilder()
             return []
         # Streamed: a watch the daemon had to start again (a new connection) replays captures above
