@@ -411,7 +411,7 @@ def test_whole_mode_late_begin_completes_the_head_capture_without_losing_its_dat
     lazy = Begin("default", "a", "", 0, None, 1, "", None, 0, True, False, 0.0)  # made from data: no BEGIN seen
     r.file(lazy, _tokens("a", 0), _tokens("a", 1))
     assert _feed(st, r.msgs(b"w")) == []
-    full = Begin("default", "a", "key", 2, [1, 2], 1, "m", {"source": "policy"}, 0, True, True, 0.0)
+    full = Begin("default", "a", "key", 2, [1, 2], 1, "m", {"source": "policy"}, 0, True, True, 0.0, "policy")
     r.file(full, _tokens("a", 2), _end("a", stop=3))
     m = r.msgs(b"w")
     assert [(x["type"], x.get("model")) for x in m][:1] == [("begin", "m")]  # sent again, fuller
