@@ -297,7 +297,10 @@ def test_a_model_without_hidden_state_outputs_stops_start_up_with_one_line():
     print(f"\nOPT with layers: exit {code} after {took:.1f} s")
 
 
-def _rss_mib(pgid: int) -> dict[int, tuple[str, float]]:
+def _rss_mib(pgid: int, field: str = "RssAnon") -> dict[int, tuple[str, float]]:
+    """Per process of the group: (name, `field` in MiB). RssAnon by default: the heap, where a
+    backlog would pile up; VmRSS also counts ring pages as they are first touched (bounded by the
+    ring's size, not a leak)."""
     out = {}
     for p in os.listdir("/proc"):
         if not p.isdigit():
@@ -307,7 +310,7 @@ def _rss_mib(pgid: int) -> dict[int, tuple[str, float]]:
                 continue
             with open(f"/proc/{p}/status") as f:
                 st = dict(line.split(":", 1) for line in f if ":" in line)
-            out[int(p)] = (st["Name"].strip(), int(st["VmRSS"].split()[0]) / 1024)
+            out[int(p)] = (st["Name"].strip(), int(st[field].split()[0]) / 1024)
         except (OSError, KeyError, ValueError):
             continue
     return out
@@ -317,8 +320,11 @@ def test_vllm_memory_stays_flat_while_the_daemon_is_stopped(stack):
     """32 capturing requests at a time for a minute with nobody reading the rings: they fill, every
     record after that is dropped, and the control records that report the drops must not pile up in
     vLLM's memory (they did: +358 MiB in the worker over the same minute here, before the fix).
-    The first 25 s are a warm-up: a cold vLLM worker itself grows some 50 MiB under a new load
-    shape before it levels off, capture or not."""
+    The first 25 s are a warm-up. Memory must level off, not climb: a vLLM worker under this load
+    grows by itself while it warms (RssAnon, same test without capture: +18, +24, +30, +39, +41,
+    +42 MiB at 10 s intervals after the warm-up; with capture and the backlog at its bound: +40,
+    +64, +70, +77, +79, +81), so the test bounds the growth of the last 30 s, where a backlog that
+    is not bounded shows at once."""
     stack.daemon.stop()
     stop_at = time.monotonic() + 85
     done = [0]
@@ -340,10 +346,16 @@ def test_vllm_memory_stays_flat_while_the_daemon_is_stopped(stack):
         t.start()
     time.sleep(25)  # rings full and the backlog at its bound by now, the server warm
     before = _rss_mib(stack.server.proc.pid)
+    samples = [before]
+    while any(t.is_alive() for t in threads):
+        time.sleep(10)
+        samples.append(_rss_mib(stack.server.proc.pid))
     for t in threads:
         t.join()
-    after = _rss_mib(stack.server.proc.pid)
+    after = samples[-1]
     growth = {before[p][0]: after[p][1] - before[p][1] for p in before if p in after}
+    trace = {before[p][0]: [round(s[p][1] - before[p][1], 1) for s in samples if p in s] for p in before}
+    print(f"\nRssAnon growth every 10 s (MiB): {trace}")
     rings = {os.path.basename(p): json.dumps(_ring_stats(p)) for p in _rings(stack)}
     print(f"\n{done[0]} requests in 85 s; RSS growth over the last 60 s (MiB): {growth}; rings: {rings}")
     assert not errors, errors[:3]
@@ -351,7 +363,10 @@ def test_vllm_memory_stays_flat_while_the_daemon_is_stopped(stack):
     for p in _rings(stack):
         s = _ring_stats(p)
         assert s["records_dropped"] > 0 or s["control_dropped"] > 0 or os.path.basename(p) == "engine.ring"
-    assert all(g < 48 for g in growth.values()), growth
+    half = len(samples) // 2
+    late = {samples[0][p][0]: samples[-1][p][1] - samples[half][p][1] for p in samples[0] if p in samples[-1]}
+    assert all(g < 24 for g in late.values()), (late, trace)
+    assert all(g < 160 for g in growth.values()), (growth, trace)
     assert stack.server.proc.poll() is None
 
 
