@@ -34,7 +34,7 @@ DOCS: dict[str, str] = {
     "else `ipc:///run/vllm-tap/tap.sock` as root, else under `$XDG_RUNTIME_DIR`.",
     "poll_interval_s": ("Sleep between ring scans when every ring is empty and writers cannot wake the daemon "
                         "(seconds, > 0). Normally writers wake it through its doorbell, `<shm_dir>/.doorbell` "
-                        "(`status` shows it), and it then reads the rings at once, and at least every 5 ms."),
+                        "(`status` shows it), and it then reads the rings at once, and at least every 50 ms."),
     "retain_bytes": "Finished requests kept for late subscribers, evicted oldest first beyond this size "
     "(bytes; `512MiB`, `1GiB` accepted).",
     "retain_ttl_s": "Longest a finished request is kept for late subscribers (seconds; `10m` accepted).",
