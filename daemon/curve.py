@@ -66,8 +66,8 @@ class CurveServer:
     """The daemon's keys, applied to its socket, and the allowed client keys, kept current."""
 
     def __init__(self, key_path: str, clients_dir: str):
+        self.public, self._secret = load_secret(key_path)  # first: a public file given here says so
         _check_private(key_path, what="CURVE secret certificate", secret=True)
-        self.public, self._secret = load_secret(key_path)
         if not os.path.isdir(clients_dir):
             raise CurveError(f"curve_clients {clients_dir} is not a directory")
         _check_private(clients_dir, what="curve_clients directory", secret=False)
