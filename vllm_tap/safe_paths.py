@@ -122,7 +122,7 @@ def open_dir(path: str, what: str = "directory") -> int:
     try:
         return os.open(path, DIR_FLAGS)
     except OSError as e:
-        if e.errno == errno.ELOOP:
+        if e.errno == errno.ELOOP or e.errno == errno.ENOTDIR and os.path.islink(path):
             raise UnsafePath(f"{what} {path} is a symbolic link (not followed): remove it") from None
         if e.errno == errno.ENOTDIR:
             raise UnsafePath(f"{what} {path} is not a directory: remove it") from None
