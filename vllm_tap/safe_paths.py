@@ -72,9 +72,11 @@ def me() -> frozenset[int]:
 
 
 def dir_mode(file_mode: int) -> int:
-    """The loosest directory mode that goes with a file mode: search where it may read, and the
-    setgid and sticky bits (they only narrow who owns what is made inside)."""
-    return file_mode | ((file_mode & 0o444) >> 2) | stat.S_ISGID | stat.S_ISVTX
+    """The loosest directory mode that goes with a file mode: search where it may read, the setgid
+    and sticky bits (they only narrow who owns what is made inside), and listing by others (names
+    only: what is inside keeps its own mode; older versions made such directories 0755). Never
+    writable by others."""
+    return file_mode | ((file_mode & 0o444) >> 2) | stat.S_ISGID | stat.S_ISVTX | 0o005
 
 
 @dataclass(frozen=True)
