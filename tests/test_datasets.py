@@ -202,6 +202,18 @@ def test_core_skips_a_capture_with_another_spec_and_says_why() -> None:
     assert [(e.seq, "blocks.1.hook_resid_post" in e.reason) for e in m.skipped] == [(1, True)]
 
 
+def test_every_missing_range_keeps_its_reason() -> None:
+    """The stream's gap reasons reach the manifest (adjacent ranges with one reason joined); missing
+    positions no gap named are listed too, with the "no reason" reason: nothing unaccounted."""
+    core = RecorderCore("w1", None, shard_bytes=1 << 20)
+    b, c = make_capture(0, missing=(1, 2, 3, 5, 6))
+    core.add_capture(0, b, c, [(1, 2, "dropped"), (2, 3, "dropped"), (5, 6, "timeout")])
+    acts = core.finish()
+    seal = next(a for a in acts if isinstance(a, SealShard))
+    assert [(g.start, g.stop, g.reason) for g in seal.gaps] == [
+        (1, 3, "dropped"), (3, 4, df.GAP_NO_REASON), (5, 6, "timeout"), (6, 7, df.GAP_NO_REASON)]
+
+
 # -- the recorder on a directory, and the readers --
 
 
