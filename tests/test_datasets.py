@@ -375,7 +375,7 @@ def test_bench_record_runs_and_reports(tmp_path) -> None:
     p = bench_record.RecordParams(dir=str(tmp_path), raw_mib=8, data_mib=8, hidden=256, vocab=2000, repeats=1,
                                   rows_per_capture=64)
     res = bench_record.run(p, lambda m: None)
-    assert set(res["summary"]) == {"hidden", "logits"}
+    assert set(res["summary"]) == {f"{c}/{tc}" for c in ("hidden", "logits") for tc in ("zstd", "lz4", "none")}
     for s in res["summary"].values():
         assert s["row_mb_s"] > 0 and s["raw_mb_s"] > 0
     e = res["e2e"]

@@ -264,7 +264,7 @@ def test_disk_full_stops_with_one_line_and_keeps_what_was_committed(daemon_facto
     d = daemon_factory()
     dest = os.path.join(small_tmpfs, "ds")
     # uncompressed, so that the synthetic values (which compress well) fill the disk
-    rec = start_recorder(dest, d.endpoint, "--shard-size", "200KB", "--compression", "none")
+    rec = start_recorder(dest, d.endpoint, "--shard-size", "200KB", "--compression", "none", "--tensor-compression", "none")
     wait_for(lambda: manifest(dest) is not None, what="the first manifest")
     sc = scenario("big", n=20, hidden=1024, vocab=4096, gen_len=8)  # ~6 MB: more than fits
     write(shm_dir, sc)
@@ -342,7 +342,7 @@ def test_s3_two_writers_and_a_kill_mid_upload(daemon_factory, shm_dir, s3_server
     # hostA's shards are ~20 MB: uploaded in 8 MiB parts; it dies after the first part
     # it seals its one shard (~24 MB, uncompressed: a multipart upload) when it has its 10 captures,
     # uploads it, and dies after the first part
-    a = start_recorder(dest, d.endpoint, *args, "--instance", "hostA", "--shard-size", "40MB", "--shard-age", "1h", "--compression", "none",
+    a = start_recorder(dest, d.endpoint, *args, "--instance", "hostA", "--shard-size", "40MB", "--shard-age", "1h", "--compression", "none", "--tensor-compression", "none",
                        "--max-captures", "10", writer="hostA", failpoint="mid-upload:1", log_path=log)
     b = start_recorder(dest, d.endpoint, *args, "--instance", "hostB", "--shard-size", "100KB", writer="hostB",
                        log_path=log)
