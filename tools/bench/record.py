@@ -172,13 +172,16 @@ def table(res: dict[str, Any]) -> str:
         lines += ["", f"End to end (writer process -> daemon -> watch, {e['captures']} full-logit captures of "
                   f"{e['rows_per_capture']} x {e['vocab']}):", "",
                   "| consumer | MB/s of rows | captures | lost |", "|---|---|---|---|"]
-        for mode in ("watch only", "recorder"):
+        for mode in E2E_MODES:
             m = e[mode]
             lines.append(f"| {mode} | {m['mb_s']:.0f} | {m['captures']} | {m['lost']} |")
     return "\n".join(lines)
 
 
 # -- end to end: a writer process -> daemon -> watch -> recorder, against a watch that only reads --
+
+# consumer -> the recorder's tensor codec (None: a watch that only reads)
+E2E_MODES: dict[str, str | None] = {"watch only": None, "recorder": "lz4", "recorder, tensors zstd": "zstd"}
 
 
 def _e2e_writer(shm: str, n_caps: int, rows: int, width: int, start: Any, done: Any) -> None:
@@ -224,7 +227,7 @@ def run_e2e(p: RecordParams, root: str, echo: Callable[[str], None]) -> dict[str
     rows, width = p.rows_per_capture, p.vocab
     n_caps = max(4, (p.data_mib << 20) // (rows * width * 4))
     out: dict[str, Any] = {"captures": n_caps, "rows_per_capture": rows, "vocab": width}
-    for mode in ("watch only", "recorder"):
+    for mode in E2E_MODES:
         shm = tempfile.mkdtemp(prefix="vt-bench-rec-", dir="/dev/shm")
         tmp = tempfile.mkdtemp(prefix="vt-")  # short: ipc socket paths are limited to ~107 bytes
         daemon = DaemonHandle(shm, f"ipc://{tmp}/d.sock", os.path.join(tmp, "daemon.log"),
@@ -237,8 +240,8 @@ def run_e2e(p: RecordParams, root: str, echo: Callable[[str], None]) -> dict[str
         # from the newest seq now: a watch is sent on its first read, after the writer has started
         since = max(0, int(client.status(timeout=5.0)["sequence"]["next"]) - 1)
         watch = client.watch(since, whole=True, watermarks=True, timeout=120.0)
-        rec = Recorder(tempfile.mkdtemp(prefix="ds-", dir=root), RecordOptions(writer="bench")).open() \
-            if mode == "recorder" else None
+        rec = Recorder(tempfile.mkdtemp(prefix="ds-", dir=root), RecordOptions(
+            writer="bench", tensor_compression=E2E_MODES[mode])).open() if E2E_MODES[mode] else None
         got = lost = nbytes = 0
         t0 = None
         try:
