@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 ROW_GROUP_BYTES = 64 << 20  # rows are buffered into row groups / record batches of about this size
 COMPRESSIONS = ("zstd", "lz4", "none")
-TENSOR_COMPRESSION = "lz4"  # the default for float tensor columns in Parquet (--tensor-compression)
+TENSOR_COMPRESSION = "zstd"  # the default for float tensor columns in Parquet (--tensor-compression)
 
 
 class RecorderError(RuntimeError):

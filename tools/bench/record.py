@@ -181,7 +181,7 @@ def table(res: dict[str, Any]) -> str:
 # -- end to end: a writer process -> daemon -> watch -> recorder, against a watch that only reads --
 
 # consumer -> the recorder's tensor codec (None: a watch that only reads)
-E2E_MODES: dict[str, str | None] = {"watch only": None, "recorder": "lz4", "recorder, tensors zstd": "zstd"}
+E2E_MODES: dict[str, str | None] = {"watch only": None, "recorder": "zstd", "recorder, tensors lz4": "lz4"}
 
 
 def _e2e_writer(shm: str, n_caps: int, rows: int, width: int, start: Any, done: Any) -> None:
