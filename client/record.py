@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 ROW_GROUP_BYTES = 64 << 20  # rows are buffered into row groups / record batches of about this size
 COMPRESSIONS = ("zstd", "lz4", "none")
+TENSOR_COMPRESSION = "zstd"  # the default for float tensor columns in Parquet (--tensor-compression)
 
 
 class RecorderError(RuntimeError):
@@ -79,13 +80,17 @@ class _HashingFile:
             self.closed = True
 
 
-def _parquet_options(schema: pa.Schema, compression: str) -> dict[str, Any]:
+def _parquet_options(schema: pa.Schema, compression: str, tensor_compression: str = TENSOR_COMPRESSION) -> dict[str, Any]:
     tensors = [f.name for f in schema if pa.types.is_fixed_size_list(f.type)]
     floats = [f"{f.name}.list.element" for f in schema  # the leaf column of a fixed-size list
               if pa.types.is_fixed_size_list(f.type) and pa.types.is_floating(f.type.value_type)]
     keys = [f.name for f in schema if f.name not in tensors]
+    leaves = [f"{f.name}.list.element" if f.name in tensors else f.name for f in schema]
     return {
-        "compression": None if compression == "none" else compression,
+        # Per leaf column: float tensors (nearly all the bytes) take `tensor_compression`, the rest
+        # `compression`. Encoding a float tensor column is the recorder's bottleneck (one core, see
+        # docs/benchmarks.md); zstd on it costs CPU for what byte-stream-split leaves compressible.
+        "compression": {c: tensor_compression if c in floats else compression for c in leaves},
         # Dictionaries and statistics pay off for the key columns only; byte-stream-split makes
         # float tensors compress (bf16 widened to float32 has two zero bytes per value).
         "use_dictionary": [k for k in keys if k not in (df.COL_SEQ, df.COL_POSITION, df.COL_TOKEN_ID, df.COL_NEXT_TOKEN_ID)],
@@ -100,11 +105,13 @@ def _parquet_options(schema: pa.Schema, compression: str) -> dict[str, Any]:
 class ShardFile:
     """Rows of one shard into a local file, on a writer thread; sha256 and size as it goes."""
 
-    def __init__(self, path: str, schema: pa.Schema, file_format: str, compression: str) -> None:
+    def __init__(self, path: str, schema: pa.Schema, file_format: str, compression: str,
+                 tensor_compression: str = TENSOR_COMPRESSION) -> None:
         self.path = path
         self.schema = schema
         self.file_format = file_format
         self.compression = compression
+        self.tensor_compression = tensor_compression
         self._q: queue.Queue = queue.Queue(maxsize=4)
         self._err: BaseException | None = None
         self._buf: list[pa.Table] = []
@@ -116,7 +123,8 @@ class ShardFile:
     def _open(self) -> Any:
         sink = pa.PythonFile(self._file, mode="w")
         if self.file_format == df.PARQUET:
-            return pq.ParquetWriter(sink, self.schema, **_parquet_options(self.schema, self.compression))
+            return pq.ParquetWriter(sink, self.schema, **_parquet_options(self.schema, self.compression,
+                                                                          self.tensor_compression))
         opts = pa.ipc.IpcWriteOptions(compression=None if self.compression == "none" else self.compression)
         return pa.ipc.new_file(sink, self.schema, options=opts)
 
@@ -222,6 +230,7 @@ class RecordOptions:
     writer: str = field(default_factory=df.default_writer_id)
     file_format: str = df.PARQUET
     compression: str = "zstd"
+    tensor_compression: str = TENSOR_COMPRESSION  # Parquet float tensor columns; Arrow IPC uses `compression`
     shard_bytes: int = df.DEFAULT_SHARD_BYTES
     shard_age_s: float | None = None
     checkpoint_s: float = 10.0
@@ -240,6 +249,8 @@ class Recorder:
             raise RecorderError(f"--format {opts.file_format}: use one of {', '.join(df.FILE_FORMATS)}")
         if opts.compression not in COMPRESSIONS:
             raise RecorderError(f"--compression {opts.compression}: use one of {', '.join(COMPRESSIONS)}")
+        if opts.tensor_compression not in COMPRESSIONS:
+            raise RecorderError(f"--tensor-compression {opts.tensor_compression}: use one of {', '.join(COMPRESSIONS)}")
         try:
             df.check_writer_id(opts.writer)
         except ValueError as e:
@@ -360,7 +371,8 @@ class Recorder:
                 if isinstance(a, AppendRows):
                     if self._shard is None:
                         self._shard = ShardFile(os.path.join(self.staging, f"rows-{a.index:06d}"),
-                                                self.core.schema, self.opts.file_format, self.opts.compression)
+                                                self.core.schema, self.opts.file_format, self.opts.compression,
+                                                self.opts.tensor_compression)
                     self._shard.append(a.table, a.nbytes)
                     failpoint("mid-shard")
                 elif isinstance(a, SealShard):
@@ -381,7 +393,7 @@ class Recorder:
         staged_rows = os.path.join(self.staging, f"rows-{seal.index:06d}")
         if shard is None:  # a shard of captures without rows: an empty rows file keeps the pair
             shard = ShardFile(staged_rows, self.core.schema or df.row_schema(self.core.manifest.layout),
-                              self.opts.file_format, self.opts.compression)
+                              self.opts.file_format, self.opts.compression, self.opts.tensor_compression)
         rows_bytes, rows_sha = shard.close()
         staged_caps = os.path.join(self.staging, f"captures-{seal.index:06d}")
         caps_bytes, caps_sha = _write_captures(staged_caps, seal.captures, self.opts.file_format, self.opts.compression)

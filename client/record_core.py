@@ -38,7 +38,7 @@ import pyarrow as pa
 
 from vllm_tap import dataset_format as df
 from vllm_tap.client.records import Capture, CaptureBegin
-from vllm_tap.wire_format import ranges_of
+from vllm_tap.positions import PositionRanges
 
 log = logging.getLogger(__name__)
 
@@ -455,9 +455,26 @@ class RecorderCore:
 
     @staticmethod
     def _gaps(cap: Capture, gaps: list[tuple[int, int, str]] | None) -> list[tuple[int, int, str]]:
-        if gaps:
-            return [(int(a), int(b), r) for a, b, r in gaps]
-        return [(a, b, "missing") for a, b in ranges_of(list(cap.missing_positions))]
+        """Every missing range of the capture with its reason: the stream's gaps (adjacent ones with
+        one reason joined), and NO_REASON for missing positions no gap named (nothing unaccounted)."""
+        out: list[list[Any]] = []
+        for a, b, r in sorted((int(a), int(b), str(r)) for a, b, r in (gaps or ())):
+            if out and out[-1][1] == a and out[-1][2] == r:
+                out[-1][1] = b
+            else:
+                out.append([a, b, r])
+        missing = cap.missing_positions
+        mr = missing.ranges if isinstance(missing, PositionRanges) else PositionRanges.of(missing).ranges
+        named = PositionRanges((a, b) for a, b, _ in out)
+        for a, b in mr:
+            lo = a
+            for c, d in named.clip(a, b).ranges:
+                if c > lo:
+                    out.append([lo, c, df.GAP_NO_REASON])
+                lo = max(lo, d)
+            if lo < b:
+                out.append([lo, b, df.GAP_NO_REASON])
+        return [(a, b, r) for a, b, r in sorted(out, key=lambda g: g[0])]
 
     def _capture_row(self, seq: int, begin: CaptureBegin | None, cap: Capture, row: int, take: int, last: bool) -> dict[str, Any]:
         source, model, tap_key = _names(begin)

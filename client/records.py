@@ -256,10 +256,13 @@ class CaptureBuilder:
 
     def __init__(self) -> None:
         self.chunks: list[Chunk] = []
+        self.gaps: list[Gap] = []  # kept for their reasons (the END lists the positions, not why)
 
     def add(self, item: Chunk | Gap) -> None:
         if isinstance(item, Chunk):
             self.chunks.append(item)
+        else:
+            self.gaps.append(item)
 
     def build(self, begin: CaptureBegin | None, end: CaptureEnd) -> Capture:
         cs = self.chunks

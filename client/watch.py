@@ -97,6 +97,7 @@ class WatchedCapture:
     begin: CaptureBegin
     capture: Capture
     end: CaptureEnd
+    gaps: tuple[Gap, ...] = ()  # the missing ranges with their reasons, in position order
 
     @property
     def request_id(self) -> str:
@@ -413,7 +414,7 @@ class WatchState:
                     return []
                 raise ProtocolError(f"end of capture {seq} without its begin")
             cap = self._cur.build(self._cur_begin, end)
-            item = WatchedCapture(seq, self._cur_begin, cap, end)
+            item = WatchedCapture(seq, self._cur_begin, cap, end, tuple(self._cur.gaps))
             self._cur_seq = self._cur_begin = self._cur = None
             self._advance(seq)
             return [item]

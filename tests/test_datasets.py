@@ -202,6 +202,36 @@ def test_core_skips_a_capture_with_another_spec_and_says_why() -> None:
     assert [(e.seq, "blocks.1.hook_resid_post" in e.reason) for e in m.skipped] == [(1, True)]
 
 
+@pytest.mark.parametrize("tensor_compression", ["lz4", "none", "zstd"])
+def test_float_tensor_columns_take_their_own_codec(tmp_path, tensor_compression) -> None:
+    """--tensor-compression sets the codec of the float tensor columns only; key columns stay zstd;
+    the values read back are the captures' whatever the codec."""
+    dest = str(tmp_path / "ds")
+    _record(dest, range(6), tensor_compression=tensor_compression)
+    ds = open_dataset(dest)
+    assert ds.verify() == []
+    _check_rows(ds.to_pyarrow().to_table(), range(6))
+    md = pq.ParquetFile(os.path.join(dest, "writers/w1/rows", ds.manifests[0].shards[0].name)).metadata
+    codecs = {md.row_group(0).column(i).path_in_schema: md.row_group(0).column(i).compression
+              for i in range(md.num_columns)}
+    want = {"lz4": "LZ4", "none": "UNCOMPRESSED", "zstd": "ZSTD"}[tensor_compression]
+    floats = [c for c in codecs if c.endswith(".list.element") and not c.startswith(df.COL_TOPK_IDS)]
+    assert floats and all(codecs[c] == want for c in floats), codecs
+    assert all(codecs[c] == "ZSTD" for c in codecs if c not in floats), codecs
+
+
+def test_every_missing_range_keeps_its_reason() -> None:
+    """The stream's gap reasons reach the manifest (adjacent ranges with one reason joined); missing
+    positions no gap named are listed too, with the "no reason" reason: nothing unaccounted."""
+    core = RecorderCore("w1", None, shard_bytes=1 << 20)
+    b, c = make_capture(0, missing=(1, 2, 3, 5, 6))
+    core.add_capture(0, b, c, [(1, 2, "dropped"), (2, 3, "dropped"), (5, 6, "timeout")])
+    acts = core.finish()
+    seal = next(a for a in acts if isinstance(a, SealShard))
+    assert [(g.start, g.stop, g.reason) for g in seal.gaps] == [
+        (1, 3, "dropped"), (3, 4, df.GAP_NO_REASON), (5, 6, "timeout"), (6, 7, df.GAP_NO_REASON)]
+
+
 # -- the recorder on a directory, and the readers --
 
 
@@ -372,7 +402,7 @@ def test_bench_record_runs_and_reports(tmp_path) -> None:
     p = bench_record.RecordParams(dir=str(tmp_path), raw_mib=8, data_mib=8, hidden=256, vocab=2000, repeats=1,
                                   rows_per_capture=64)
     res = bench_record.run(p, lambda m: None)
-    assert set(res["summary"]) == {"hidden", "logits"}
+    assert set(res["summary"]) == {f"{c}/{tc}" for c in ("hidden", "logits") for tc in ("zstd", "lz4", "none")}
     for s in res["summary"].values():
         assert s["row_mb_s"] > 0 and s["raw_mb_s"] > 0
     e = res["e2e"]

@@ -29,7 +29,8 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 def scenario(prefix: str, n: int = 10, **kw) -> Scenario:
     kw.setdefault("ring_bytes", 16 << 20)
-    return Scenario(tp=1, n_requests=n, prefix=prefix, **kw)
+    kw.setdefault("tp", 1)
+    return Scenario(n_requests=n, prefix=prefix, **kw)
 
 
 def write(shm_dir: str, sc: Scenario, step_sleep: float = 0.0) -> None:
@@ -148,6 +149,33 @@ def test_record_values_equal_daemon_fetch(daemon_factory, shm_dir, tmp_path) -> 
     assert hf.num_rows == t.num_rows
 
 
+def test_missing_positions_keep_the_daemons_reason(daemon_factory, shm_dir, tmp_path) -> None:
+    """A capture whose positions never arrived (one tensor-parallel rank never wrote) is in the
+    manifest's gaps with the reason the daemon gave for each range, not a bare "missing"."""
+    d = daemon_factory(end_grace_s=2.0)
+    dest = str(tmp_path / "ds")
+    rec = start_recorder(dest, d.endpoint)
+    wait_for(lambda: manifest(dest) is not None, what="the recorder's first manifest")
+    ok, broken = scenario("a", n=2), scenario("b", n=1, tp=2, skip_rank=1)
+    write(shm_dir, ok)
+    write(shm_dir, broken)
+    wait_for(lambda: committed(dest, d, 3), what="the recorder to commit")
+    assert stop(rec) == 0, rec.stderr.read().decode()
+    sub = d.client().subscribe(broken.request_id(0), timeout=10)
+    want: list[list] = []  # the daemon's gap ranges, adjacent ones with the same reason joined
+    for g in sub.chunks():
+        if g.missing:
+            if want and want[-1][1] == g.positions.start and want[-1][2] == g.reason:
+                want[-1][1] = g.positions.stop
+            else:
+                want.append([g.positions.start, g.positions.stop, g.reason])
+    assert sum(b - a for a, b, _ in want) == broken.end_position
+    assert all(r in ("incomplete", "timeout") for _, _, r in want), want
+    ds = open_dataset(dest)
+    got = [[g.start, g.stop, g.reason] for g in ds.gaps if g.request_id == broken.request_id(0)]
+    assert got == want
+
+
 def test_limits_stop_cleanly(daemon_factory, shm_dir, tmp_path) -> None:
     d = daemon_factory()
     dest = str(tmp_path / "ds")
@@ -236,7 +264,7 @@ def test_disk_full_stops_with_one_line_and_keeps_what_was_committed(daemon_facto
     d = daemon_factory()
     dest = os.path.join(small_tmpfs, "ds")
     # uncompressed, so that the synthetic values (which compress well) fill the disk
-    rec = start_recorder(dest, d.endpoint, "--shard-size", "200KB", "--compression", "none")
+    rec = start_recorder(dest, d.endpoint, "--shard-size", "200KB", "--compression", "none", "--tensor-compression", "none")
     wait_for(lambda: manifest(dest) is not None, what="the first manifest")
     sc = scenario("big", n=20, hidden=1024, vocab=4096, gen_len=8)  # ~6 MB: more than fits
     write(shm_dir, sc)
@@ -314,7 +342,7 @@ def test_s3_two_writers_and_a_kill_mid_upload(daemon_factory, shm_dir, s3_server
     # hostA's shards are ~20 MB: uploaded in 8 MiB parts; it dies after the first part
     # it seals its one shard (~24 MB, uncompressed: a multipart upload) when it has its 10 captures,
     # uploads it, and dies after the first part
-    a = start_recorder(dest, d.endpoint, *args, "--instance", "hostA", "--shard-size", "40MB", "--shard-age", "1h", "--compression", "none",
+    a = start_recorder(dest, d.endpoint, *args, "--instance", "hostA", "--shard-size", "40MB", "--shard-age", "1h", "--compression", "none", "--tensor-compression", "none",
                        "--max-captures", "10", writer="hostA", failpoint="mid-upload:1", log_path=log)
     b = start_recorder(dest, d.endpoint, *args, "--instance", "hostB", "--shard-size", "100KB", writer="hostB",
                        log_path=log)

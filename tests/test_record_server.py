@@ -1,10 +1,13 @@
 """Datasets from a live vLLM server: the hook, the daemon, `vllm-tap record` and the readers.
 
-One eager OpenAI server with the tap (tiny float32 Llama) and one daemon. Requests opt in with
-`vllm_xargs` (client opt-ins; the server-side capture policy is another branch's work), the
-recorder writes them to a directory, and what is read back is compared with the daemon's own fetch
-of the same requests, with vLLM's returned logprobs (through the distillation export), with the
-SAELens export, and with a live shuffled iterator reading the daemon directly.
+One eager OpenAI server with the tap (tiny float32 Llama) and one daemon. The server's capture
+policy captures all traffic (share 1.0: full logits and three layers at every position, tap_key
+"traffic"); most requests carry no tap options and are captured by the policy, two opt in with
+their own `vllm_xargs` (the policy lets a request's options win), so the dataset holds both
+sources. The recorder writes them to a directory, and what is read back is compared with the
+daemon's own fetch of the same requests (by response id), with vLLM's returned logprobs (through
+the distillation export), with the SAELens export, and with a live shuffled iterator reading the
+daemon directly.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from vllm_tap.tools.tiny_model import TinyLlamaSpec, prompt_text
 
 SPEC = TinyLlamaSpec()
 LAYERS = [0, 2, SPEC.num_layers]
+POLICY = {"share": 1.0, "layers": LAYERS, "logits": "full", "positions": "all", "key": "traffic"}
 
 
 def _ids(n: int, salt: int) -> list[int]:
@@ -50,7 +54,7 @@ def stack():
     model = tiny_model(SPEC)
     daemon = DaemonHandle(shm, f"ipc://{tmp}/tap.sock", os.path.join(tmp, "daemon.log"))
     server = ServerHandle(model, free_port(), os.path.join(tmp, "server.log"),
-                          cpu_server_args(eager=True) + ["--max-logprobs", "-1"] + tap_server_args(shm, "rec"))
+                          cpu_server_args(eager=True) + ["--max-logprobs", "-1"] + tap_server_args(shm, "rec", policy=POLICY))
     daemon.start()
     try:
         server.start(timeout=420)
@@ -65,10 +69,13 @@ def stack():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _complete(api, model, prompt_ids, key, **kw):
+def _complete(api, model, prompt_ids, key: str | None, **kw):
+    """A completion; key=None: no tap options (the policy captures it), else the request's own."""
+    body = {"ignore_eos": True}
+    if key is not None:
+        body["vllm_xargs"] = {"tap": 1, "tap_layers": LAYERS, "tap_key": key}
     return api.completions.create(model=model, prompt=prompt_text(prompt_ids), temperature=0.0, max_tokens=6,
-                                  logprobs=5, extra_body={"ignore_eos": True, "vllm_xargs": {
-                                      "tap": 1, "tap_layers": LAYERS, "tap_key": key}}, **kw)
+                                  logprobs=5, extra_body=body, **kw)
 
 
 def test_recorded_traffic_equals_fetch_logprobs_and_exports(stack, tmp_path) -> None:
@@ -98,12 +105,13 @@ def test_recorded_traffic_equals_fetch_logprobs_and_exports(stack, tmp_path) -> 
     time.sleep(1.0)  # the live watch attaches before the requests
 
     lengths = (5, 23, 40, 9, 17, 31)
-    keys = [f"rec-{i}" for i in range(len(lengths))]
+    # None: no tap options, captured by the server's policy; a key: the request opts in itself
+    keys = [None, "own-1", None, None, "own-4", None]
     with cf.ThreadPoolExecutor(6) as pool:
         responses = list(pool.map(lambda a: _complete(api, model, _ids(a[1], a[0]), keys[a[0]]), enumerate(lengths)))
 
     client = Client(daemon.endpoint)
-    caps = {k: client.fetch(k, timeout=60) for k in keys}
+    caps = {r.id: client.fetch(r.id, timeout=60) for r in responses}  # by response id (policy captures share a key)
     deadline = time.monotonic() + 60
     while True:
         m = df.decode_manifest(open(os.path.join(dest, "writers/node1/manifest.json"), "rb").read())
@@ -138,12 +146,13 @@ def test_recorded_traffic_equals_fetch_logprobs_and_exports(stack, tmp_path) -> 
     assert sorted(ds.layout.layers, key=df.layer_of) == [df.hook_name(l) for l in LAYERS]
     t = ds.to_pyarrow().to_table()
     for (i, n), key, r in zip(enumerate(lengths), keys, responses):
-        cap = caps[key]
-        part = t.filter(pa.compute.equal(t.column("tap_key"), key))
+        cap = caps[r.id]
+        part = t.filter(pa.compute.equal(t.column("request_id"), cap.request_id))
         part = part.take(pa.compute.sort_indices(part, [("position", "ascending")]))
-        assert part.column("position").to_numpy().tolist() == cap.positions.tolist()
+        assert part.column("position").to_numpy().tolist() == cap.positions.tolist() == list(range(n + 5))
         assert part.column("token_id").to_numpy().tolist() == cap.token_ids.tolist()
-        assert set(part.column("source").to_pylist()) == {"client"}
+        assert set(part.column("source").to_pylist()) == ({"policy"} if key is None else {"client"})
+        assert set(part.column("tap_key").to_pylist()) == {"traffic" if key is None else key}
         assert set(part.column("model").to_pylist()) == {model}
         assert np.array_equal(np.stack(part.column("logits").to_numpy(zero_copy_only=False)), cap.logits)
         for layer in LAYERS:
@@ -163,8 +172,8 @@ def test_recorded_traffic_equals_fetch_logprobs_and_exports(stack, tmp_path) -> 
 
     export_distill(ds, str(tmp_path / "kd"), top_k=5)
     kd = {row["request_id"]: row for row in pq.read_table(str(tmp_path / "kd" / "data-00000.parquet")).to_pylist()}
-    for (i, n), key, r in zip(enumerate(lengths), keys, responses):
-        row = kd[caps[key].request_id]
+    for (i, n), r in zip(enumerate(lengths), responses):
+        row = kd[caps[r.id].request_id]
         lp = r.choices[0].logprobs
         assert row["input_ids"] == _ids(n, i) + [_token_id(x) for x in lp.tokens]
         for k, top in enumerate(lp.top_logprobs):

@@ -147,7 +147,12 @@ def _vllm_version() -> str | None:
 @click.option("--writer", default=None, metavar="ID", help="This recorder's name in DEST (default: the host name). "
               "Recorders on different hosts, or several on one host, need different names.")
 @click.option("--format", "file_format", type=click.Choice(df.FILE_FORMATS), default=df.PARQUET, show_default=True)
-@click.option("--compression", type=click.Choice(("zstd", "lz4", "none")), default="zstd", show_default=True)
+@click.option("--compression", type=click.Choice(("zstd", "lz4", "none")), default="zstd", show_default=True,
+              help="Codec of the key columns (Parquet) or of every buffer (Arrow IPC).")
+@click.option("--tensor-compression", type=click.Choice(("zstd", "lz4", "none")), default="zstd", show_default=True,
+              help="Codec of the float tensor columns in Parquet (nearly all the bytes; encoding them is the "
+              "recorder's bottleneck). zstd writes bf16-valued data to 0.34 of its size, lz4 to 0.42, none "
+              "costs the least CPU; see docs/benchmarks.md.")
 @click.option("--shard-size", type=SizeType(), default=str(df.DEFAULT_SHARD_BYTES), show_default="1GiB",
               help="Roll to a new shard at this much row data (at most 2GB).")
 @click.option("--shard-age", type=DurationType(), default=None, help="Also roll a shard once it is this old (e.g. 10m).")
@@ -165,7 +170,7 @@ def _vllm_version() -> str | None:
 @click.option("--endpoint", envvar="VLLM_TAP_ENDPOINT", default=None, metavar="URL", help="The daemon's endpoint.")
 @key_options
 @click.option("--quiet", is_flag=True, help="No progress line; log lines only.")
-def record(dest: str, writer: str | None, file_format: str, compression: str, shard_size: int, shard_age: float | None,
+def record(dest: str, writer: str | None, file_format: str, compression: str, tensor_compression: str, shard_size: int, shard_age: float | None,
            staging: str | None, max_bytes: int | None, max_captures: int | None, duration: float | None,
            instance: str | None, source: str | None, tap_key_prefix: str | None, model: str | None,
            storage_option: tuple[str, ...], endpoint: str | None, quiet: bool) -> None:
@@ -184,6 +189,7 @@ def record(dest: str, writer: str | None, file_format: str, compression: str, sh
     filters = {k: v for k, v in (("instance", instance), ("source", source), ("tap_key_prefix", tap_key_prefix),
                                  ("model", model)) if v is not None}
     opts = RecordOptions(writer=writer or df.default_writer_id(), file_format=file_format, compression=compression,
+                         tensor_compression=tensor_compression,
                          shard_bytes=shard_size, shard_age_s=shard_age, staging=staging,
                          storage_options=_storage_options(storage_option),
                          metadata={"vllm_version": _vllm_version(), "filters": filters, "host": df.default_writer_id(),

@@ -241,6 +241,12 @@ def capture_schema() -> "pa.Schema":
 # -- the manifest --
 
 
+# The reason of a missing range the stream named no reason for (the daemon's END listed the positions
+# as missing but no gap message came for them). Every other reason is the daemon's (daemon/reassembly.py:
+# "dropped", "incomplete", "timeout", "not captured", ...) or the recorder's own (skipped captures).
+GAP_NO_REASON = "missing"
+
+
 class GapEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Positions of capture `seq` that are not in the dataset, and why."""
 

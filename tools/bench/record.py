@@ -2,13 +2,17 @@
 bandwidth of the same disk, measured in the same run.
 
 1. Raw disk: `raw_mib` MiB written sequentially in 8 MiB blocks to a file in DIR, fsynced.
-2. Recorder: a Recorder (the real one: core, writer thread, Parquet zstd, sha256, fsync, rename,
+2. Recorder: a Recorder (the real one: core, writer thread, Parquet, sha256, fsync, rename,
    manifest) on DIR, fed in-process with prepared captures (no daemon, so this is the recorder's own
-   ceiling), for a hidden-state-only and a full-logit capture shape; the time includes the final
-   commit. Values are bf16 widened to float32 (what a bf16 model's capture holds), random otherwise.
+   ceiling), for a hidden-state-only and a full-logit capture shape and for each codec of the float
+   tensor columns (`tensor_compressions`; key columns zstd); the time includes the final commit.
+   Values are bf16 widened to float32 (what a bf16 model's capture holds), random otherwise.
+   Every repeat measures the raw disk first, then every (case, codec) in an order rotated per
+   repeat, so that the machine's load falls on all of them alike.
 Reported: row MB/s (uncompressed tensor bytes taken in and committed), disk MB/s (file bytes out),
 rows/s, and row MB/s / raw MB/s against the 70 % target (the recorder's sustained rate as a share
-of what the disk takes raw; zstd makes the bytes on disk fewer than the rows taken in).
+of what the disk takes raw; compression makes the bytes on disk fewer than the rows taken in);
+medians over repeats, with the share also as min-max.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ class RecordParams:
     layers: tuple[int, ...] = (8, 16)
     vocab: int = 32000
     compression: str = "zstd"
+    tensor_compressions: tuple[str, ...] = ("zstd", "lz4", "none")
     file_format: str = "parquet"
-    repeats: int = 2
+    repeats: int = 3
     cases: list[str] = field(default_factory=lambda: ["hidden", "logits"])
     e2e: bool = True  # also daemon -> watch -> recorder against a watch that only reads
 
@@ -83,7 +88,7 @@ def _captures(p: RecordParams, case: str, n: int) -> list[Any]:
     return out
 
 
-def run_case(p: RecordParams, case: str, root: str) -> dict[str, Any]:
+def run_case(p: RecordParams, case: str, root: str, tensor_compression: str | None = None) -> dict[str, Any]:
     from vllm_tap.client.record import Recorder, RecordOptions
 
     caps = _captures(p, case, 8)
@@ -91,7 +96,9 @@ def run_case(p: RecordParams, case: str, root: str) -> dict[str, Any]:
                                            + (p.vocab if case == "logits" else 0)) * 4
     n = max(1, (p.data_mib << 20) // per_cap)
     dest = tempfile.mkdtemp(prefix=f"rec-{case}-", dir=root)
-    rec = Recorder(dest, RecordOptions(writer="bench", compression=p.compression, file_format=p.file_format)).open()
+    tc = tensor_compression or p.tensor_compressions[0]
+    rec = Recorder(dest, RecordOptions(writer="bench", compression=p.compression, tensor_compression=tc,
+                                       file_format=p.file_format)).open()
     t0 = time.perf_counter()
     for s in range(n):
         b, c = caps[s % len(caps)]
@@ -103,26 +110,32 @@ def run_case(p: RecordParams, case: str, root: str) -> dict[str, Any]:
     m = rec.core.manifest
     disk = sum(s.bytes + s.captures_bytes for s in m.shards)
     shutil.rmtree(dest, ignore_errors=True)
-    return {"case": case, "captures": n, "rows": st.rows, "row_bytes": st.tensor_bytes, "file_bytes": disk,
+    return {"case": case, "tensor_compression": tc, "captures": n, "rows": st.rows, "row_bytes": st.tensor_bytes, "file_bytes": disk,
             "seconds": dt, "row_mb_s": st.tensor_bytes / dt / 1e6, "disk_mb_s": disk / dt / 1e6, "rows_s": st.rows / dt,
             "shards": len(m.shards)}
 
 
 def run(p: RecordParams, echo: Callable[[str], None]) -> dict[str, Any]:
+    import pyarrow as pa
+
+    pa.array(np.zeros(1))  # pyarrow imports pandas on its first array (~1 s): not the recorder's rate
     root = p.dir or os.getcwd()
     work = tempfile.mkdtemp(prefix="vllm-tap-bench-record-", dir=root)
     rows: list[dict[str, Any]] = []
+    combos = [(case, tc) for case in p.cases for tc in p.tensor_compressions]
     try:
         for rep in range(p.repeats):
             raw = raw_write_mb_s(os.path.join(work, "raw.bin"), p.raw_mib)
-            echo(f"raw sequential write: {raw:.0f} MB/s")
-            for case in p.cases:
-                r = run_case(p, case, work)
+            echo(f"raw sequential write: {raw:.0f} MB/s (load average {os.getloadavg()[0]:.1f})")
+            k = rep % len(combos)
+            for case, tc in combos[k:] + combos[:k]:
+                r = run_case(p, case, work, tc)
                 r["raw_mb_s"] = raw
                 r["share_of_raw"] = r["row_mb_s"] / raw
                 r["repeat"] = rep
+                r["load"] = os.getloadavg()[0]
                 rows.append(r)
-                echo(f"{case:>7}: {r['row_mb_s']:.0f} MB/s of rows in ({r['rows_s']:.0f} rows/s), "
+                echo(f"{case:>7} tensors {tc:>4}: {r['row_mb_s']:.0f} MB/s of rows in ({r['rows_s']:.0f} rows/s), "
                      f"{r['disk_mb_s']:.0f} MB/s to disk; rows in = {100 * r['share_of_raw']:.0f} % of raw")
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -134,32 +147,41 @@ def run(p: RecordParams, echo: Callable[[str], None]) -> dict[str, Any]:
         finally:
             shutil.rmtree(work, ignore_errors=True)
     summary = {}
-    for case in p.cases:
-        rs = [r for r in rows if r["case"] == case]
-        summary[case] = {k: float(np.median([r[k] for r in rs])) for k in
-                         ("row_mb_s", "disk_mb_s", "rows_s", "raw_mb_s", "share_of_raw")}
+    for case, tc in combos:
+        rs = [r for r in rows if r["case"] == case and r["tensor_compression"] == tc]
+        summary[f"{case}/{tc}"] = {k: float(np.median([r[k] for r in rs])) for k in
+                                   ("row_mb_s", "disk_mb_s", "rows_s", "raw_mb_s", "share_of_raw", "load")}
+        summary[f"{case}/{tc}"].update(case=case, tensor_compression=tc, share_min=min(r["share_of_raw"] for r in rs),
+                                       share_max=max(r["share_of_raw"] for r in rs),
+                                       file_ratio=float(np.median([r["file_bytes"] / r["row_bytes"] for r in rs])))
     return {"params": {k: v for k, v in vars(p).items()}, "runs": rows, "summary": summary, "target_share_of_raw": 0.7,
             "e2e": e2e}
 
 
 def table(res: dict[str, Any]) -> str:
-    lines = ["| capture | rows in MB/s | rows/s | to disk MB/s | raw disk MB/s | rows in / raw (target >= 70 %) |",
-             "|---|---|---|---|---|---|"]
-    for case, s in res["summary"].items():
-        lines.append(f"| {case} | {s['row_mb_s']:.0f} | {s['rows_s']:.0f} | {s['disk_mb_s']:.0f} | {s['raw_mb_s']:.0f} "
-                     f"| {100 * s['share_of_raw']:.0f} % |")
+    lines = ["| capture | tensor codec | rows in MB/s | rows/s | to disk MB/s | file / rows | raw disk MB/s "
+             "| rows in / raw (target >= 70 %), min-max | load avg |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for s in res["summary"].values():
+        lines.append(f"| {s['case']} | {s['tensor_compression']} | {s['row_mb_s']:.0f} | {s['rows_s']:.0f} "
+                     f"| {s['disk_mb_s']:.0f} | {s['file_ratio']:.2f} | {s['raw_mb_s']:.0f} "
+                     f"| {100 * s['share_of_raw']:.0f} % ({100 * s['share_min']:.0f}-{100 * s['share_max']:.0f} %) "
+                     f"| {s['load']:.1f} |")
     e = res.get("e2e")
     if e:
         lines += ["", f"End to end (writer process -> daemon -> watch, {e['captures']} full-logit captures of "
                   f"{e['rows_per_capture']} x {e['vocab']}):", "",
                   "| consumer | MB/s of rows | captures | lost |", "|---|---|---|---|"]
-        for mode in ("watch only", "recorder"):
+        for mode in E2E_MODES:
             m = e[mode]
             lines.append(f"| {mode} | {m['mb_s']:.0f} | {m['captures']} | {m['lost']} |")
     return "\n".join(lines)
 
 
 # -- end to end: a writer process -> daemon -> watch -> recorder, against a watch that only reads --
+
+# consumer -> the recorder's tensor codec (None: a watch that only reads)
+E2E_MODES: dict[str, str | None] = {"watch only": None, "recorder": "zstd", "recorder, tensors lz4": "lz4"}
 
 
 def _e2e_writer(shm: str, n_caps: int, rows: int, width: int, start: Any, done: Any) -> None:
@@ -205,7 +227,7 @@ def run_e2e(p: RecordParams, root: str, echo: Callable[[str], None]) -> dict[str
     rows, width = p.rows_per_capture, p.vocab
     n_caps = max(4, (p.data_mib << 20) // (rows * width * 4))
     out: dict[str, Any] = {"captures": n_caps, "rows_per_capture": rows, "vocab": width}
-    for mode in ("watch only", "recorder"):
+    for mode in E2E_MODES:
         shm = tempfile.mkdtemp(prefix="vt-bench-rec-", dir="/dev/shm")
         tmp = tempfile.mkdtemp(prefix="vt-")  # short: ipc socket paths are limited to ~107 bytes
         daemon = DaemonHandle(shm, f"ipc://{tmp}/d.sock", os.path.join(tmp, "daemon.log"),
@@ -218,8 +240,8 @@ def run_e2e(p: RecordParams, root: str, echo: Callable[[str], None]) -> dict[str
         # from the newest seq now: a watch is sent on its first read, after the writer has started
         since = max(0, int(client.status(timeout=5.0)["sequence"]["next"]) - 1)
         watch = client.watch(since, whole=True, watermarks=True, timeout=120.0)
-        rec = Recorder(tempfile.mkdtemp(prefix="ds-", dir=root), RecordOptions(writer="bench")).open() \
-            if mode == "recorder" else None
+        rec = Recorder(tempfile.mkdtemp(prefix="ds-", dir=root), RecordOptions(
+            writer="bench", tensor_compression=E2E_MODES[mode])).open() if E2E_MODES[mode] else None
         got = lost = nbytes = 0
         t0 = None
         try:
