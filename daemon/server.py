@@ -21,6 +21,13 @@ What the daemon survives, and how (docs/operate.md says the same for operators):
   are indexed by name and dropped when their peer goes.
 - Memory: what captures in flight hold (reassembly and histories) is kept inside `inflight_bytes`;
   beyond it the biggest capture is cut, its remaining positions becoming gaps with a reason.
+
+Delivery (daemon/arena.py): payloads are read from the rings straight into the delivery arena, a
+shared-memory file of the daemon's own (one copy; tensor-parallel slices into their columns).
+Subscribers and watchers that offered to map it (same host: ipc://) get descriptors; the others
+get the same arrays as frames. Nothing a subscriber does holds arena space: regions go back when
+the daemon drops what references them, and a subscriber that had not copied one yet finds its
+generation moved.
 """
 
 from __future__ import annotations
@@ -43,7 +50,9 @@ import zmq
 from vllm_tap import ring_format as rf
 from vllm_tap import wire_format as wf
 from vllm_tap.ring import RingBroken, RingFormatError, RingReader
+from vllm_tap.ring_schema import tensor_id
 
+from vllm_tap.daemon.arena import Arena
 from vllm_tap.daemon.config import DaemonConfig
 from vllm_tap.daemon.discovery import Candidate, RingDirectory
 from vllm_tap.daemon.messages import Frames, encode
@@ -150,6 +159,7 @@ class _Sub:
     entry: Entry | None = None
     index: int = 0  # next history index to send
     live_from: int = 0  # history length when attached: later messages are live (count for lag, latency)
+    arena: Arena | None = None  # the subscriber maps it: descriptors instead of payload frames
     frames: Frames | None = None  # the encoded message at `index`, kept across a refused send
     final: Frames | None = None  # an error to send, after which the subscription ends
     final_deadline: float = 0.0
@@ -225,6 +235,8 @@ class Daemon:
         self._fd_events = select.poll()
         self._fd_due = False
         self._doorbell: Doorbell | None = None  # writers wake us through it; bound once shm_dir exists
+        self.arena: Arena | None = None  # delivered arrays; created once shm_dir exists (arena_bytes > 0)
+        self._arena_tried = False
         self.nofile = 0
         self._refusal_logs = LOG_FIRST
         self._closed_ring_counts = (0, 0)  # rejected, corrupt of rings no longer read
@@ -369,15 +381,41 @@ class Daemon:
 
     # -- rings --
 
+    def _open_arena(self) -> None:
+        self._arena_tried = True
+        try:
+            self.arena = Arena.create(self.config.shm_dir, self.config.arena_bytes)
+        except OSError as e:
+            log.warning("no delivery arena in %s (%s): every subscriber gets payloads as frames", self.config.shm_dir, e)
+            return
+        self.watch.arena = self.arena
+        for r in self._reasm.values():
+            r.alloc = self.arena.alloc
+
     def _reassembler(self, instance: str) -> Reassembler:
         r = self._reasm.get(instance)
         if r is None:
-            r = self._reasm[instance] = Reassembler(instance, end_grace_s=self.config.end_grace_s)
+            r = self._reasm[instance] = Reassembler(instance, end_grace_s=self.config.end_grace_s,
+                                                    alloc=self.arena.alloc if self.arena is not None else None)
         return r
+
+    def _sink(self, instance: str) -> Any:
+        """Where a ring's DATA payloads go: the places reassembly picks in the arena."""
+        reasm = self._reassembler(instance)
+
+        def sink(plan: Any, i: int) -> Any:
+            h = plan.h
+            return reasm.target(plan.request_id(i), h.step, tensor_id(h.tensor, h.layer), h.slice_start, h.slice_stop, h.full_dim,
+                                plan.part_shapes()[i][0], plan.dtype)
+
+        return sink
 
     def _discover(self, now: float) -> None:
         if self._doorbell is None:
             self._doorbell = Doorbell.bind(self.config.shm_dir)
+        if self.arena is None and not self._arena_tried and self.config.arena_bytes > 0 and \
+                os.path.isdir(self.config.shm_dir):
+            self._open_arena()
         for c in self._dir.step(now, DISCOVERY_WALK, DISCOVERY_OPENS):
             self._open(c, now)
         if self._dir.changed:
@@ -410,6 +448,7 @@ class Daemon:
                 log.warning("ignoring %s: %s%s", path, e, "" if self._refusal_logs else
                             " (further refused files are only counted: `vllm-tap status`)")
             return
+        reader.sink = self._sink(c.instance)
         ring = self._rings[c.key] = _Ring(reader, c.instance, c.dir_fd, checked=now)
         if reader.resumed:
             self._reassembler(c.instance).resumed_ring(reader.name)
@@ -779,7 +818,7 @@ class Daemon:
                 return sent > 0
             ev = e.history[sub.index]
             if sub.frames is None:
-                sub.frames = encode(ev, e, sub.req.id, sub.req.from_position)
+                sub.frames = encode(ev, e, sub.req.id, sub.req.from_position, sub.arena)
                 if sub.frames is None:  # before from_position
                     sub.index += 1
                     continue
@@ -860,7 +899,7 @@ class Daemon:
                         self._reply(envelope, wf.error_frames(wf.E_LIMIT, why, req.id))
                         continue
                     self.counters.subscribers_total += 1
-                sub = _Sub(envelope, req, deadline=now + req.timeout)
+                sub = _Sub(envelope, req, deadline=now + req.timeout, arena=self.arena if req.arena else None)
                 self._add(sub)
                 self._resolve(sub, now)
         return got
@@ -894,6 +933,8 @@ class Daemon:
         if self._doorbell is not None:
             self._doorbell.close()
             self._doorbell = None
+        if self.arena is not None:
+            self.arena.close()
 
     # -- status --
 
@@ -939,6 +980,8 @@ class Daemon:
             # Writers wake the daemon through it; null: it polls the rings on a timer.
             "doorbell": self._doorbell.path if self._doorbell is not None else None,
             "doorbell_wakeups": c.doorbell_wakeups,
+            # Shared memory the delivered arrays live in (null: off, or shm_dir not there yet).
+            "arena": self.arena.snapshot() if self.arena is not None else None,
             "discovery": "inotify" if self._dir.watching else "scan",
             "rings": rings,
             "rings_refused": c.rings_refused,

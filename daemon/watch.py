@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 from vllm_tap import wire_format as wf
 
-from vllm_tap.daemon.messages import Frames, encode
+from vllm_tap.daemon.messages import Frames, arena_advert, encode
 from vllm_tap.daemon.reassembly import Begin, End, Event
 from vllm_tap.daemon.sequence import SequenceCounter
 from vllm_tap.daemon.store import Entry
@@ -116,6 +116,7 @@ class Watcher:
     dirty: dict[int, None] = field(default_factory=dict)  # streamed: open captures with events to send
     waiting_for: int | None = None  # whole mode: the seq whose end holds the others back
     control: collections.deque = field(default_factory=collections.deque)  # watching / watermark
+    arena: Any = None  # the daemon's arena, when the watcher maps it: descriptors instead of payloads
     pending: Frames | None = None  # taken by neither socket nor peer yet: sent first
     final: Frames | None = None
     final_deadline: float = 0.0
@@ -161,6 +162,7 @@ class WatchHub:
         self._gone_keys: list[int] = []  # sorted
         self._drops = 0
         self._watchers: dict[tuple[bytes, int], Watcher] = {}
+        self.arena: Any = None  # the daemon's delivery arena (daemon/arena.py), once it has one
         self._active: set[Watcher] = set()
         self.watchers_total = 0
         self.rejected = 0
@@ -260,12 +262,12 @@ class WatchHub:
             return wf.error_frames(wf.E_LIMIT, f"the daemon serves {MAX_WATCHERS} watches already", req.id)
         since = last if req.since is None else req.since
         w = Watcher(envelope, req, since, since + 1, now, self._drops, self.next_seq, last_send=now, announced=since,
-                    wm_at=now)
+                    wm_at=now, arena=self.arena if req.arena else None)
         self._watchers[key] = w
         self.watchers_total += 1
         oldest = self._next_present(0)
         w.control.append([wf.pack(wf.WATCHING, req.id, since=since, oldest=oldest, next=self.next_seq,
-                                  run_first=self.run_first)])
+                                  run_first=self.run_first, arena=arena_advert(w.arena))])
         self._active.add(w)
         log.info("watch %s/%d from seq %d (%s%s)", envelope[0].hex(), req.id, since + 1,
                  "whole" if req.whole else "streamed", "".join(f", {k}={v!r}" for k, v in req.filters().items()))
@@ -347,7 +349,7 @@ class WatchHub:
                     if o.index < len(h):
                         ev = h[o.index]
                         o.index += 1
-                        frames = encode(ev, o.entry, w.req.id)
+                        frames = encode(ev, o.entry, w.req.id, arena=w.arena)
                         if isinstance(ev, End):
                             w.current = None
                             w.delivered += 1
@@ -370,7 +372,7 @@ class WatchHub:
                         del w.open[seq], w.dirty[seq]
                         w.delivered += 1
                         self.delivered_total += 1
-                    return encode(ev, o.entry, w.req.id)
+                    return encode(ev, o.entry, w.req.id, arena=w.arena)
                 del w.dirty[seq]
                 continue
             frames = self._advance(w)
