@@ -57,7 +57,7 @@ from vllm_tap.daemon.config import DaemonConfig
 from vllm_tap.daemon.discovery import Candidate, RingDirectory
 from vllm_tap.daemon.messages import Frames, encode
 from vllm_tap.daemon.peers import Peers
-from vllm_tap.daemon.reassembly import OVER_BUDGET, RING_BROKEN, Begin, Event, Reassembler
+from vllm_tap.daemon.reassembly import OVER_BUDGET, RING_BROKEN, Begin, Event, Reassembler, Tokens
 from vllm_tap.daemon.sequence import SequenceCounter
 from vllm_tap.daemon.store import Entry, LookupFailed, Store
 from vllm_tap.daemon.watch import WatchHub
@@ -176,6 +176,8 @@ class _Counters:
     payload_bytes_in: int = 0
     delivered_messages: int = 0
     delivered_bytes: int = 0
+    arena_messages: int = 0  # tokens messages sent as arena descriptors (their payload bytes below)
+    arena_bytes: int = 0
     subscribers_total: int = 0
     subscribers_too_slow: int = 0
     subscriptions_refused: int = 0
@@ -833,6 +835,9 @@ class Daemon:
                 if len(e.history) - max(sub.index, sub.live_from) > self.config.subscriber_queue:
                     self._too_slow(sub)
                 return sent > 0
+            if sub.arena is not None and isinstance(ev, Tokens) and len(sub.frames) == 1:
+                self.counters.arena_messages += 1
+                self.counters.arena_bytes += ev.nbytes
             if sub.index >= sub.live_from:
                 self._latency.observe(time.monotonic() - ev.at)
             sub.index += 1
@@ -1015,6 +1020,9 @@ class Daemon:
                             "accept_paused": bool(p and p.paused), "descriptor_limit": self.nofile},
             "delivered_messages": c.delivered_messages,
             "delivered_bytes": c.delivered_bytes,
+            # Of those, through the arena (descriptors; watchers included): messages, payload bytes described.
+            "arena_messages": c.arena_messages + self.watch.arena_messages,
+            "arena_bytes": c.arena_bytes + self.watch.arena_bytes,
             "bad_requests": c.bad_requests,
             "delivery_latency_s": self._latency.to_dict(),
             # watch: "sequence" (numbers given, retained range, state file) and "watchers"

@@ -50,7 +50,7 @@ from typing import Any, Callable
 from vllm_tap import wire_format as wf
 
 from vllm_tap.daemon.messages import Frames, arena_advert, encode
-from vllm_tap.daemon.reassembly import Begin, End, Event
+from vllm_tap.daemon.reassembly import Begin, End, Event, Tokens
 from vllm_tap.daemon.sequence import SequenceCounter
 from vllm_tap.daemon.store import Entry
 
@@ -163,6 +163,8 @@ class WatchHub:
         self._drops = 0
         self._watchers: dict[tuple[bytes, int], Watcher] = {}
         self.arena: Any = None  # the daemon's delivery arena (daemon/arena.py), once it has one
+        self.arena_messages = 0  # tokens messages sent as descriptors, and the payload bytes they name
+        self.arena_bytes = 0
         self._active: set[Watcher] = set()
         self.watchers_total = 0
         self.rejected = 0
@@ -349,7 +351,7 @@ class WatchHub:
                     if o.index < len(h):
                         ev = h[o.index]
                         o.index += 1
-                        frames = encode(ev, o.entry, w.req.id, arena=w.arena)
+                        frames = self._encode(ev, o.entry, w)
                         if isinstance(ev, End):
                             w.current = None
                             w.delivered += 1
@@ -372,12 +374,20 @@ class WatchHub:
                         del w.open[seq], w.dirty[seq]
                         w.delivered += 1
                         self.delivered_total += 1
-                    return encode(ev, o.entry, w.req.id, arena=w.arena)
+                    return self._encode(ev, o.entry, w)
                 del w.dirty[seq]
                 continue
             frames = self._advance(w)
             if frames is not False:
                 return frames  # type: ignore[return-value]
+
+    def _encode(self, ev: Event, entry: Entry, w: Watcher) -> Frames:
+        frames = encode(ev, entry, w.req.id, arena=w.arena)
+        assert frames is not None
+        if w.arena is not None and isinstance(ev, Tokens) and len(frames) == 1:
+            self.arena_messages += 1
+            self.arena_bytes += ev.nbytes
+        return frames
 
     def _advance(self, w: Watcher) -> Frames | None | bool:
         """Consider the capture at the cursor: a message, None to wait, False to look again."""
