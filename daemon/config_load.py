@@ -49,6 +49,10 @@ DOCS: dict[str, str] = {
     "and retains; subscribers on the same host (`ipc://`) map it read-only and receive descriptors instead of "
     "payloads. tmpfs pages are reserved as it fills; arrays that do not fit are delivered as frames. 0 = off "
     "(bytes; `2GiB` accepted).",
+    "arena_linger_s": "After the last message of a capture went to a subscriber through the arena, how long its "
+    "arrays are kept for that subscriber to copy them even if retention dropped the capture (seconds); a subscriber "
+    "slower than this gets a gap saying `overwritten`. Pins go with the subscriber's connection and never exceed "
+    "half of `arena_bytes` in all.",
     "max_connections": "Connections to the subscriber socket at once; more are refused (the client says so). "
     "Also kept below the descriptor limit.",
     "max_connections_per_peer": "Connections at once from one peer: one process over `ipc://`, one address over "
@@ -154,7 +158,7 @@ def _validate(cfg: DaemonConfig) -> list[tuple[str, str]]:
         bad.append(("endpoint", f"unsupported endpoint {cfg.endpoint!r}: use ipc://PATH or tcp://HOST:PORT"))
     if cfg.poll_interval_s <= 0:
         bad.append(("poll_interval_s", f"must be > 0, got {cfg.poll_interval_s}"))
-    for key in ("retain_bytes", "retain_ttl_s", "end_grace_s", "arena_bytes"):
+    for key in ("retain_bytes", "retain_ttl_s", "end_grace_s", "arena_bytes", "arena_linger_s"):
         if getattr(cfg, key) < 0:
             bad.append((key, f"must be >= 0, got {getattr(cfg, key)}"))
     for key in ("subscriber_queue", "inflight_bytes", "max_connections", "max_connections_per_peer",

@@ -25,9 +25,13 @@ What the daemon survives, and how (docs/operate.md says the same for operators):
 Delivery (daemon/arena.py): payloads are read from the rings straight into the delivery arena, a
 shared-memory file of the daemon's own (one copy; tensor-parallel slices into their columns).
 Subscribers and watchers that offered to map it (same host: ipc://) get descriptors; the others
-get the same arrays as frames. Nothing a subscriber does holds arena space: regions go back when
-the daemon drops what references them, and a subscriber that had not copied one yet finds its
-generation moved.
+get the same arrays as frames. Regions go back when the daemon drops what references them. A
+descriptor handed to zmq is not yet copied by its subscriber (up to two socket queues of them
+may be on the way), so a capture whose last message went to an arena subscriber stays pinned for
+`arena_linger_s` more (retention may have dropped it meanwhile), or until that peer is gone, and
+pins never hold more than half of arena_bytes in all (oldest let go first). A subscriber still slower
+than that finds the generation of a reused region moved: a Gap, never other bytes. A dead
+subscriber's pins go with its connection (the liveness probe notices within a second).
 """
 
 from __future__ import annotations
@@ -238,6 +242,10 @@ class Daemon:
         self._fd_due = False
         self._doorbell: Doorbell | None = None  # writers wake us through it; bound once shm_dir exists
         self.arena: Arena | None = None  # delivered arrays; created once shm_dir exists (arena_bytes > 0)
+        # Captures fully handed to an arena subscriber's socket, kept until it had time to copy them:
+        # routing id -> [(deadline, entry)], plus the bytes they hold (see the module docstring).
+        self._pins: dict[bytes, list[tuple[float, Entry]]] = {}
+        self._pinned_bytes = 0
         self._arena_tried = False
         self.nofile = 0
         self._refusal_logs = LOG_FIRST
@@ -391,6 +399,7 @@ class Daemon:
             log.warning("no delivery arena in %s (%s): every subscriber gets payloads as frames", self.config.shm_dir, e)
             return
         self.watch.arena = self.arena
+        self.watch.pin = self._pin
         for r in self._reasm.values():
             r.alloc = self.arena.alloc
 
@@ -765,7 +774,40 @@ class Daemon:
                     del self._by_key[sub.entry.key]
             sub.entry = None
 
+    def _pin(self, routing_id: bytes, entry: Entry) -> None:
+        if self.config.arena_linger_s <= 0:
+            return
+        self._pins.setdefault(routing_id, []).append((time.monotonic() + self.config.arena_linger_s, entry))
+        self._pinned_bytes += entry.nbytes
+        cap = self.config.arena_bytes // 2
+        if self._pinned_bytes > cap:
+            self._unpin(lambda deadline: True, self._pinned_bytes - cap)
+
+    def _unpin(self, drop: Callable[[float], bool], at_least: int = 1 << 62, peers: Any = None) -> None:
+        """Let go of the pins `drop(deadline)` picks, oldest first until at_least bytes went, of `peers` or all."""
+        items = sorted(((pin[0], k, rid, pin) for rid in (peers if peers is not None else list(self._pins))
+                        for k, pin in enumerate(self._pins.get(rid, ()))), key=lambda x: x[:2])
+        freed = 0
+        gone: set[int] = set()
+        for deadline, _, rid, pin in items:
+            if freed >= at_least:
+                break
+            if drop(deadline):
+                gone.add(id(pin))
+                freed += pin[1].nbytes
+        if not gone:
+            return
+        for rid in {x[2] for x in items}:
+            kept = [pin for pin in self._pins.get(rid, ()) if id(pin) not in gone]
+            if kept:
+                self._pins[rid] = kept
+            else:
+                self._pins.pop(rid, None)
+        self._pinned_bytes -= freed
+
     def _peer_gone(self, routing_id: bytes) -> None:
+        if routing_id in self._pins:
+            self._unpin(lambda deadline: True, peers=[routing_id])
         subs = self._by_conn.get(routing_id, ())
         self.counters.subscriptions_dropped_peer_gone += len(subs)
         for sub in list(subs):
@@ -776,6 +818,17 @@ class Daemon:
         sends that would notice): a one-frame ping each, which clients ignore."""
         assert self._sock is not None
         ping = wf.pack(wf.PING, None)
+        if self._pins:
+            now = time.monotonic()
+            self._unpin(lambda deadline: deadline <= now)
+        for rid in [r for r in self._pins if r not in self._by_conn]:  # pins of peers with nothing else here
+            try:
+                self._sock.send_multipart([rid, ping], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            except zmq.ZMQError as e:
+                if e.errno == errno.EHOSTUNREACH:
+                    self._peer_gone(rid)
         for rid, subs in list(self._by_conn.items()):
             sub = next(iter(subs), None)
             if sub is None or len(sub.envelope) != 1:
@@ -816,6 +869,8 @@ class Daemon:
             if e is None or sub.index >= len(e.history):
                 self._active.discard(sub)
                 if e is not None and e.end is not None:
+                    if sub.arena is not None:
+                        self._pin(sub.envelope[0], e)
                     self._remove(sub)  # everything up to the End went out
                 return sent > 0
             ev = e.history[sub.index]
@@ -986,7 +1041,8 @@ class Daemon:
             "doorbell": self._doorbell.path if self._doorbell is not None else None,
             "doorbell_wakeups": c.doorbell_wakeups,
             # Shared memory the delivered arrays live in (null: off, or shm_dir not there yet).
-            "arena": self.arena.snapshot() if self.arena is not None else None,
+            "arena": dict(self.arena.snapshot(), pinned_bytes=self._pinned_bytes,
+                          pinned_captures=sum(len(v) for v in self._pins.values())) if self.arena is not None else None,
             "discovery": "inotify" if self._dir.watching else "scan",
             "rings": rings,
             "rings_refused": c.rings_refused,

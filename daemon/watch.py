@@ -163,6 +163,7 @@ class WatchHub:
         self._drops = 0
         self._watchers: dict[tuple[bytes, int], Watcher] = {}
         self.arena: Any = None  # the daemon's delivery arena (daemon/arena.py), once it has one
+        self.pin: Callable[[bytes, Entry], None] | None = None  # keep a capture sent whole through the arena a while
         self.arena_messages = 0  # tokens messages sent as descriptors, and the payload bytes they name
         self.arena_bytes = 0
         self._active: set[Watcher] = set()
@@ -384,9 +385,12 @@ class WatchHub:
     def _encode(self, ev: Event, entry: Entry, w: Watcher) -> Frames:
         frames = encode(ev, entry, w.req.id, arena=w.arena)
         assert frames is not None
-        if w.arena is not None and isinstance(ev, Tokens) and len(frames) == 1:
-            self.arena_messages += 1
-            self.arena_bytes += ev.nbytes
+        if w.arena is not None:
+            if isinstance(ev, Tokens) and len(frames) == 1:
+                self.arena_messages += 1
+                self.arena_bytes += ev.nbytes
+            elif isinstance(ev, End) and self.pin is not None:
+                self.pin(w.envelope[0], entry)  # its descriptors are on their way, not yet copied
         return frames
 
     def _advance(self, w: Watcher) -> Frames | None | bool:

@@ -148,7 +148,7 @@ def test_a_region_reused_under_a_slow_subscriber_is_detected_never_read(daemon_f
                   ring_bytes=8 << 20)
     other = Scenario(tp=1, n_requests=6, prompt_len=4, gen_len=120, chunk=4, vocab=2048, hidden=16, layers=(0,),
                      ring_bytes=8 << 20, prefix="other", seed=1)
-    d = daemon_factory(end_grace_s=0.5, retain_bytes=0)
+    d = daemon_factory(end_grace_s=0.5, retain_bytes=0, arena_linger_s=0.5)
     ready = os.path.join(sock_dir, "ready")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -163,7 +163,8 @@ def test_a_region_reused_under_a_slow_subscriber_is_detected_never_read(daemon_f
         pass
     eng.close()
     _wait(lambda: d.status()["subscribers"] == 0, 20, "the subscription to be sent out and done")
-    _wait(lambda: d.status()["retained_requests"] == 0, 20, "the capture to be dropped")
+    _wait(lambda: d.status()["retained_requests"] == 0 and d.status()["arena"]["pinned_captures"] == 0, 20,
+          "the capture to be dropped and let go")
     eng2 = SyntheticEngine(other, shm_dir)  # its records land in the freed regions
     eng2.run()
     eng2.close()
@@ -183,6 +184,42 @@ def test_a_region_reused_under_a_slow_subscriber_is_detected_never_read(daemon_f
     assert overwritten, "no region was reused under the subscriber: the test proves nothing"
     assert sorted(covered) == list(range(sc.end_position))
     assert sorted(missing) == sorted(overwritten)
+
+
+def test_a_subscriber_within_the_linger_gets_everything_after_retention_dropped_the_capture(daemon_factory, shm_dir,
+                                                                                            sock_dir):
+    """Descriptors already handed to zmq keep their capture pinned for arena_linger_s: a subscriber a
+    little behind loses nothing even when retention (0 here) drops the capture at once."""
+    sc = Scenario(tp=1, n_requests=1, prompt_len=4, gen_len=120, chunk=4, vocab=2048, hidden=16, layers=(0,),
+                  ring_bytes=8 << 20)
+    other = Scenario(tp=1, n_requests=4, prompt_len=4, gen_len=120, chunk=4, vocab=2048, hidden=16, layers=(0,),
+                     ring_bytes=8 << 20, prefix="other", seed=1)
+    d = daemon_factory(end_grace_s=0.5, retain_bytes=0, arena_linger_s=30)
+    ready = os.path.join(sock_dir, "ready")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_slow_subscriber, args=(d.endpoint, sc.request_id(0), 4.0, ready, q))
+    p.start()
+    _wait(lambda: d.status()["subscribers_waiting"] == 1, 20, "the subscriber")
+    eng = SyntheticEngine(sc, shm_dir)
+    eng.begin()
+    eng.run_step()
+    _wait(lambda: os.path.exists(ready), 20, "the first chunk")
+    while eng.run_step():
+        pass
+    eng.close()
+    _wait(lambda: d.status()["subscribers"] == 0 and d.status()["retained_requests"] == 0, 20, "the capture dropped")
+    assert d.status()["arena"]["pinned_captures"] == 1
+    eng2 = SyntheticEngine(other, shm_dir)
+    eng2.run()
+    eng2.close()
+    items, missing = q.get(timeout=60)
+    p.join(10)
+    exp = expected(sc, 0)["logits"]
+    assert missing == [] and all(kind == "chunk" for kind, _, _ in items)
+    got = [x for _, where, _ in items for x in where]
+    assert got == list(range(sc.end_position))
+    assert np.concatenate([payload for _, _, payload in items]).tobytes() == exp.tobytes()
 
 
 def test_allocator_generations_move_when_a_region_is_freed(shm_dir):
