@@ -88,9 +88,8 @@ class ArenaView:
             if (rows < 0 or cols < 0 or not 0 <= block < self.n_blocks or offset < block * af.BLOCK
                     or offset + n > self.capacity):
                 raise ValueError(f"arena descriptor {d!r} lies outside the arena of {self.capacity} bytes")
-            a = np.empty((rows, cols), dt)
-            a.view(np.uint8).reshape(-1)[:] = self._data[offset : offset + n]
-            out[name] = (code, a)
+            # One memcpy into a private array (numpy's copy of a slice of the map).
+            out[name] = (code, self._data[offset : offset + n].copy().view(dt).reshape(rows, cols))
             checks.append((block, gen))
         # After every copy: a region freed (and maybe rewritten) meanwhile shows a new generation.
         for block, gen in checks:

@@ -48,6 +48,7 @@ interface: no IO happens here.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
@@ -139,8 +140,8 @@ class Tokens:
     def stop(self) -> int:
         return int(self.positions[-1]) + 1
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # asked several times per event (budgets, retention): computed once
         return sum(a.nbytes for a in self.tensors.values()) + self.positions.nbytes + self.token_ids.nbytes
 
     def cut(self, from_position: int) -> "Tokens":
@@ -304,7 +305,7 @@ class _Request:
         """Every position already delivered or waiting in `ready` (a duplicate or recompute)."""
         if self.frontier is None:
             return False
-        if int(positions.max()) < self.frontier:
+        if _top(positions) < self.frontier:
             return True
         rest = positions[positions >= self.frontier]
         for _, _, _, ch in self.ready:
@@ -578,7 +579,7 @@ class Reassembler:
         # else: a duplicate BEGIN; the first one stands
 
     def _seen(self, req: _Request, positions: np.ndarray) -> None:
-        top = int(positions.max())
+        top = _top(positions)
         if top > req.max_seen:
             req.max_seen = top
 
@@ -598,8 +599,8 @@ class Reassembler:
         if req.spec is None and req.start is None and not req.tail:
             self._apply_table(req, r)
         if req.frontier is None and req.start is None and req.lazy and not req.tail:
-            req.frontier = req.first_frontier = int(r.positions.min())  # capture starts at the first position seen
-        if req.stop is not None and int(r.positions.min()) >= req.stop:
+            req.frontier = req.first_frontier = _bottom(r.positions)  # capture starts at the first position seen
+        if req.stop is not None and _bottom(r.positions) >= req.stop:
             self.stats["past_end_records"] += 1  # computed after the end (async scheduling): never delivered
             return
         self._seen(req, r.positions)
@@ -925,6 +926,15 @@ class Reassembler:
             m.end_position if m is not None else None, (start, stop) if stop > start else None, missing,
             req.delivered, now, req.source,
         ))
+
+
+def _top(positions: np.ndarray) -> int:
+    # One row (a decode step) is the common case: a scalar read, not a reduction.
+    return int(positions[0]) if len(positions) == 1 else int(positions.max())
+
+
+def _bottom(positions: np.ndarray) -> int:
+    return int(positions[0]) if len(positions) == 1 else int(positions.min())
 
 
 def _addr(a: np.ndarray) -> int:
