@@ -191,6 +191,7 @@ def _begin(h: dict[str, Any]) -> CaptureBegin:
         h["request_id"], h["instance"], h.get("tap_key", ""), tuple(h.get("names", ())), h.get("response_id", ""),
         int(h.get("choice_index", 0)), int(h.get("num_prompt_tokens", 0)), h.get("prompt_token_ids"),
         int(h.get("n", 1)), h.get("model", ""), h.get("spec"), h.get("start_position"), bool(h.get("lazy")),
+        str(h.get("source") or wf.SOURCES[0]),
     )
 
 

@@ -37,7 +37,7 @@ def make_capture(seq: int, *, layers=LAYERS, hidden: int = HIDDEN, vocab: int = 
         kw["topk_values"] = np.take_along_axis(lg, ids, 1)
         spec["topk"] = topk
     rid = f"req-{seq}"
-    begin = CaptureBegin(rid, "default", f"k{seq}", (rid,), f"cmpl-{seq}", 0, P, prompt, 1, model, spec, 0, False)
+    begin = CaptureBegin(rid, "default", f"k{seq}", (rid,), f"cmpl-{seq}", 0, P, prompt, 1, model, spec, 0, False, source)
     cap = Capture(rid, "default", f"cmpl-{seq}", 0, P, prompt, positions, np.array([full[p] for p in positions], np.int32),
                   kw.get("logits"), hid, kw.get("topk_ids"), kw.get("topk_values"), None, "length", G, out,
                   sorted(set(missing)), (0, computed))

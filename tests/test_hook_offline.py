@@ -269,8 +269,6 @@ def test_params_shared_by_several_prompts_are_not_changed(engine):
     assert len({caps.internal_id(o.request_id) for o in outs}) == 2
 
 
-@pytest.mark.xfail(reason="the workers' reading of the spec is hooks/step_capture.py (helper H3's branch): until "
-                          "it treats a malformed spec as no capture, the worker raises", strict=False)
 def test_a_malformed_spec_that_bypassed_the_api_process_is_no_capture_and_vllm_lives(engine):
     """An engine request built by in-process code (vLLM's deprecated EngineCoreRequest path skips
     process_inputs) carrying a bad internal spec: no capture, one logged error, serving goes on."""

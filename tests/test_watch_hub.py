@@ -106,7 +106,7 @@ class Peer:
 
 
 def _begin(rid, instance="default", key="", model="m", source="client"):
-    return Begin(instance, rid, key, 2, [1, 2], 1, model, {"source": source}, 0, False, False, 0.0)
+    return Begin(instance, rid, key, 2, [1, 2], 1, model, {"source": source}, 0, False, False, 0.0, source)
 
 
 def _tokens(rid, start, n=1, instance="default"):

@@ -274,8 +274,7 @@ def run_demo(compiled: bool, keep: bool) -> int:
     endpoint = f"ipc://{work}/tap.sock"
     daemon = DaemonHandle(shm_dir, endpoint, os.path.join(work, "daemon.log"))
     server_args = cpu_server_args(eager=not compiled) + tap_server_args(shm_dir, instance=INSTANCE) + ["--max-logprobs", "-1"]
-    server = ServerHandle(path, free_port(), os.path.join(work, "server.log"), server_args,
-                          env={"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    server = ServerHandle(path, free_port(), os.path.join(work, "server.log"), server_args)
     ok = False
     try:
         say(f"[2/5] vllm-tap daemon: rings under {shm_dir}, subscribers on {endpoint}")

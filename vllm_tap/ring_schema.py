@@ -87,6 +87,7 @@ class BeginMeta(msgspec.Struct, forbid_unknown_fields=False):
     # Whether the engine schedules asynchronously (a finished request may be computed once more).
     # None: not said (the reader then assumes it may).
     async_scheduling: bool | None = None
+    source: SourceStr | None = None  # who asked (spec.SOURCE_*); the spec says it too
 
 
 class EndMeta(msgspec.Struct, forbid_unknown_fields=False):
@@ -299,7 +300,7 @@ def _decode_control(mv: memoryview, h: Header, ring: str, epoch: int) -> RingRec
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
             raise Rejected(f"{kind.name} capture spec: {e}", ids, h.kind) from None
         source = spec.source if spec is not None else None
-        if isinstance(info, EndMeta) and info.source:
+        if info.source:
             source = info.source
     meta = msgspec.structs.asdict(info)
     if "spec" in meta:

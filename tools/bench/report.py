@@ -349,7 +349,7 @@ def hook_md(hk: dict[str, Any]) -> list[str]:
     p = hk["params"]
     bw = hk["bandwidth_gbps"]
     out = ["## Hook cost against memcpy", "",
-           f"`StepCapture.capture` driven in-process with real tensors (hidden {p['hidden_size']}, layers {p['layers']} "
+           f"`CaptureCore.capture` driven in-process with real tensors (hidden {p['hidden_size']}, layers {p['layers']} "
            f"captured with full logits, float32, {p['threads']} torch thread), {p['repeats']} repeats × {p['steps']} steps "
            "per scenario, interleaved. Time is the thread's CPU time per step (wall-clock alongside; on a busy machine "
            "wall time also counts time spent preempted). memcpy = captured bytes ÷ memcpy bandwidth measured in the "
