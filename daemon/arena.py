@@ -14,8 +14,10 @@ Rules this module keeps:
   it references, exactly as with heap arrays, and nothing a subscriber does can pin anything: a
   subscriber that dies or stalls holds nothing up; it notices by the generation that a region it
   was told about went away (see arena_format).
-- The allocator is a buddy heap over BLOCK-sized units: a region is BLOCK * 2**k bytes at a
-  multiple of its size; freed buddies merge, so a change of record sizes does not strand space.
+- The allocator is a buddy heap over BLOCK-sized units: a request takes a block of BLOCK * 2**k
+  bytes at a multiple of its size and gives the tail it does not need straight back (as aligned
+  buddies), so a region wastes less than one BLOCK; freed buddies merge, so a change of record
+  sizes does not strand space.
   Free lists are LIFO, so the regions reused first are the ones still in cache, and buddies are
   merged only when a request finds no free region big enough.
 """
@@ -70,7 +72,7 @@ def _region_type(nbytes: int) -> type:
         def __del__(self: Any) -> None:
             a = self._arena
             if a is not None:
-                a._free(self._off, self._order)
+                a._free(self._off, self._blocks)
 
         t = _TYPES[nbytes] = type(f"_Region{nbytes}", (ctypes.c_char * nbytes, _Region), {"__del__": __del__})
     return t
@@ -189,16 +191,18 @@ class Arena:
             self.fallbacks += 1
             self._warn("the arena is full")
             return None
-        size = af.BLOCK << order
+        if blocks < (1 << order):
+            self._give_range(b + blocks, b + (1 << order))  # the tail it does not need
+        size = blocks * af.BLOCK
         off = b * af.BLOCK
         if not self._commit(off, size):
-            self._give(b, order)
+            self._give_range(b, b + blocks)
             self.fallbacks += 1
             return None
         region = _region_type(size).from_buffer(self._mm, self.data_offset + off)
         region._arena = self
         region._off = b
-        region._order = order
+        region._blocks = blocks
         region._gen = int(self._gens[b])
         self.allocated_bytes += size
         self.regions += 1
@@ -232,10 +236,12 @@ class Arena:
             self._free_at[k][b + (1 << k)] = None
         return b
 
-    def _give(self, b: int, order: int) -> None:
-        # No merging here: a region of the same size is the likeliest next request, and merging
-        # only to split again costs a walk up and down the orders. _coalesce merges on demand.
-        self._free_at[order][b] = None
+    def _give_range(self, lo: int, hi: int) -> None:
+        """Blocks [lo, hi) back, as the largest aligned buddies that tile them."""
+        while lo < hi:
+            k = min((lo & -lo).bit_length() - 1 if lo else self._top, (hi - lo).bit_length() - 1, self._top)
+            self._free_at[k][lo] = None
+            lo += 1 << k
 
     def _coalesce(self) -> bool:
         """Merge every pair of free buddies, smallest first; True if anything merged."""
@@ -250,13 +256,13 @@ class Arena:
                     merged = True
         return merged
 
-    def _free(self, b: int, order: int) -> None:
+    def _free(self, b: int, blocks: int) -> None:
         # The generation first: a reader that copied from the region before this store sees the
         # old value; any byte written into it after this comes after the new value (x86-64 TSO).
         self._gens[b] += 1
-        self.allocated_bytes -= af.BLOCK << order
+        self.allocated_bytes -= blocks * af.BLOCK
         self.regions -= 1
-        self._give(b, order)
+        self._give_range(b, b + blocks)
 
     def _commit(self, off: int, size: int) -> bool:
         lo = (self.data_offset + off) // COMMIT_CHUNK

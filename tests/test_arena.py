@@ -253,6 +253,33 @@ def test_allocator_generations_move_when_a_region_is_freed(shm_dir):
     assert not os.path.exists(a.path)
 
 
+def test_allocator_regions_never_overlap_and_everything_comes_back(shm_dir):
+    """Random sizes (a region keeps only the blocks it needs), random frees: no two live regions share
+    a byte, and once all are gone one request for the whole arena succeeds (buddies merged)."""
+    a = Arena.create(shm_dir, 8 << 20)
+    rng = np.random.default_rng(7)
+    live: list[np.ndarray] = []
+    try:
+        for _ in range(3000):
+            if live and rng.random() < 0.45:
+                live.pop(int(rng.integers(len(live))))
+                continue
+            x = a.alloc((1, int(rng.integers(1, 300_000))), np.uint8)
+            if x is None:
+                continue
+            x[:] = len(live) % 251
+            live.append(x)
+            spans = sorted((a.locate(y)[2], a.locate(y)[2] + y.nbytes) for y in live)
+            assert all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:]))
+            assert a.allocated_bytes == sum(-(-y.nbytes // af.BLOCK) * af.BLOCK for y in live)
+        del x
+        live.clear()
+        assert a.regions == 0 and a.allocated_bytes == 0
+        assert a.alloc((1, 8 << 20), np.uint8) is not None
+    finally:
+        a.close()
+
+
 def test_tensor_parallel_slices_are_read_straight_into_one_array(shm_dir):
     """The ring reader asks reassembly where each slice goes; the tensor delivered is that array."""
     a = Arena.create(shm_dir, 8 << 20)
