@@ -22,7 +22,7 @@ import pytest
 from synthetic_writer import Scenario, SyntheticEngine, assert_capture, capture_arrays, expected
 from vllm_tap import arena_format as af
 from vllm_tap import ring_format as rf
-from vllm_tap.client import Chunk, Client, Gap
+from vllm_tap.client import Chunk, Client
 from vllm_tap.client.arena import OVERWRITTEN, ArenaError, ArenaView, wanted
 from vllm_tap.daemon.arena import Arena
 from vllm_tap.daemon.reassembly import Reassembler, Tokens
