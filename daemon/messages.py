@@ -34,9 +34,14 @@ def encode(ev: Event, entry: Entry, sub_id: int, from_position: int | None = Non
             if ev.stop <= from_position:
                 return None
             ev = ev.cut(from_position)
-        ids = ev.token_ids.astype("<i4", copy=False).tobytes()
+        cached = ev.__dict__.get("_wire")  # what every subscriber of this event shares, made once
+        if cached is None:
+            cached = ev.__dict__["_wire"] = [ev.token_ids.astype("<i4", copy=False).tobytes(), False]
+        ids = cached[0]
         if arena is not None:
-            adescs = wf.describe_arena(ev.tensors, ev.dtypes, arena.locate)
+            if cached[1] is False:
+                cached[1] = wf.describe_arena(ev.tensors, ev.dtypes, arena.locate)
+            adescs = cached[1]
             if adescs is not None:
                 return [wf.pack(
                     wf.TOKENS, sub_id, seq=entry.seq, request_id=ev.request_id, instance=ev.instance, start=ev.start,
