@@ -136,7 +136,10 @@ def _writer_main(shm: str, ring_bytes: int, cmds: Any, results: Any) -> None:
             name, size, n, pace = cmd
             width = size // 4
             src = np.random.default_rng(0).standard_normal(width, dtype=np.float32).view(np.uint8)
-            eng.write_control(rf.RecordKind.BEGIN, name, {"spec": spec, "num_prompt_tokens": 1, "n": 1})
+            # A writer without a scheduler never computes past an end: it says so, and the daemon
+            # delivers each record at once instead of holding the newest back (reassembly.HOLD_NEWEST).
+            eng.write_control(rf.RecordKind.BEGIN, name, {"spec": spec, "num_prompt_tokens": 1, "n": 1,
+                                                          "async_scheduling": False})
             dropped = 0
             first = last = 0
             cpu0 = time.process_time()
@@ -179,7 +182,8 @@ def _write_many(eng: Any, w: Any, logits: Any, spec: dict, prefix: str, n_caps: 
     cpu0 = time.process_time()
     for c in range(n_caps):
         name = f"{prefix}-{c}"
-        eng.write_control(rf.RecordKind.BEGIN, name, {"spec": spec, "num_prompt_tokens": 1, "n": 1, "model": "bench"})
+        eng.write_control(rf.RecordKind.BEGIN, name, {"spec": spec, "num_prompt_tokens": 1, "n": 1, "model": "bench",
+                                                      "async_scheduling": False})
         for k in range(records):
             res = w.reserve(name, logits, [k], [k], dtype=rf.DType.FLOAT32, width=width, step=k + 1,
                             num_prompt_tokens=1)
