@@ -316,6 +316,8 @@ class WatchState:
                 self.outbox.append(self.request(now))
                 return []
             self.accepted = h
+            # A watch (re)started by the daemon replays from since: a half-received capture starts over.
+            self._cur_seq = self._cur_begin = self._cur = None
             if self.last_seq is None:
                 self.last_seq = int(h["since"])
             return []
@@ -401,6 +403,9 @@ class WatchState:
     def _on_begin(self, seq: int, begin: CaptureBegin) -> list[WatchItem]:
         if self.whole:
             if self._handled(seq):
+                return []
+            if seq == self._cur_seq:
+                self._cur_begin = begin  # a late BEGIN completed the metadata: keep the data so far
                 return []
             self._cur_seq, self._cur_begin, self._cur = seq, begin, CaptureBuilder()
             return []

@@ -57,7 +57,12 @@ from vllm_tap.ring import RingBroken, RingFormatError, RingReader
 from vllm_tap.ring_schema import tensor_id
 
 from vllm_tap.daemon.arena import Arena
+from vllm_tap.safe_paths import UnsafePath
+
+from vllm_tap.daemon.access import RingAccess, narrow_socket, prepare_socket_dir, socket_gid, socket_path
 from vllm_tap.daemon.config import DaemonConfig
+from vllm_tap.daemon.config_load import is_loopback
+from vllm_tap.daemon.curve import CurveServer
 from vllm_tap.daemon.discovery import Candidate, RingDirectory
 from vllm_tap.daemon.messages import Frames, encode
 from vllm_tap.daemon.peers import Peers
@@ -96,6 +101,10 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 
 class DaemonError(RuntimeError):
     """The daemon cannot start (bad endpoint, address in use); the message says why in one line."""
+
+
+class AccessError(DaemonError):
+    """A squatted or too open directory, or unusable keys: restarting cannot fix it, the operator must."""
 
 
 class Histogram:
@@ -221,7 +230,8 @@ class Daemon:
         self._order: list[_Ring] = []  # engine rings first: BEGINs are then usually read before their data
         self._by_pidfd: dict[int, _Ring] = {}
         self._broken: list[dict[str, Any]] = []  # rings dropped because they changed under the daemon (last 100)
-        self._dir = RingDirectory(config.shm_dir)
+        self.access = RingAccess.from_config(config)
+        self._dir = RingDirectory(config.shm_dir, root_rule=self.access.root, dir_rule=self.access.dirs)
         self._reasm: dict[str, Reassembler] = {}
         self.store = Store(config.retain_bytes, config.retain_ttl_s)
         # watch: sequence numbers and watchers (daemon/watch.py); told of every filed event and drop
@@ -271,13 +281,23 @@ class Daemon:
             sock.setsockopt(zmq.LINGER, 0)
             # A larger frame closes the connection as it arrives, before libzmq allocates for it.
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-            _prepare_endpoint(self.endpoint, ctx)
+            gid = socket_gid(self.config)
+            try:
+                _prepare_endpoint(self.endpoint, ctx, gid)
+                curve = self._curve()
+                self._prepare_shm_dir()
+            except UnsafePath as e:
+                raise AccessError(str(e)) from None
             self._peers = Peers(ctx, sock, self.endpoint, max_connections=self.config.max_connections,
-                                max_per_peer=self.config.max_connections_per_peer, fd_limit=self.nofile)
+                                max_per_peer=self.config.max_connections_per_peer, fd_limit=self.nofile,
+                                curve=curve, on_bind=lambda: narrow_socket(self.endpoint, gid))
+            if curve is not None:
+                curve.apply(sock)
             try:
                 sock.bind(self.endpoint)
             except zmq.ZMQError as e:
                 raise DaemonError(f"cannot listen on {self.endpoint}: {e}") from None
+            narrow_socket(self.endpoint, gid)
             self._sock = sock
             # watch: the persisted sequence counter; SequenceStateError stops start-up (one line)
             self.watch.open(SequenceCounter(self.config.resolved_state_dir()))
@@ -303,6 +323,28 @@ class Daemon:
                 ctx.term()
                 self.watch.close()  # watch: a clean stop persists the last number used
         log.info("stopped: %s", self._stop_reason)
+
+    def _curve(self) -> CurveServer | None:
+        cfg = self.config
+        if not cfg.curve_key:
+            if self.endpoint.startswith("tcp://"):
+                log.warning("%s has no CURVE keys: %s can connect and read every capture (see curve_key)",
+                            self.endpoint, "any local user" if is_loopback(self.endpoint) else "anyone who reaches it")
+            return None
+        curve = CurveServer(cfg.curve_key, cfg.curve_clients)
+        log.info("CURVE on %s: %d allowed client keys in %s", self.endpoint, curve.allowed_keys, cfg.curve_clients)
+        return curve
+
+    def _prepare_shm_dir(self) -> None:
+        """Make the ring directory, or refuse a squatted one (UnsafePath). One that cannot be made here
+        (a read-only parent) is waited for, and checked when it appears (discovery)."""
+        try:
+            self.access.prepare_root(self.config.shm_dir)
+        except UnsafePath:
+            raise
+        except OSError as e:
+            log.warning("cannot create the shm directory %s (%s): waiting for it to appear", self.config.shm_dir,
+                        e.strerror or e)
 
     def _loop(self) -> None:
         assert self._sock is not None
@@ -445,7 +487,11 @@ class Daemon:
         path = os.path.join(self.config.shm_dir, c.instance, c.name)
         try:
             reader = RingReader(path, dir_fd=c.dir_fd, name=c.name)
-        except (RingFormatError, OSError, ValueError) as e:
+            why = self.access.files.problem(os.fstat(reader.fileno()))
+            if why:
+                reader.close()
+                raise UnsafePath(f"{why} (ring_group / ring_owners / ring_mode)")
+        except (RingFormatError, OSError, ValueError, UnsafePath) as e:
             inode = c.inode
             if inode is None:
                 try:
@@ -1046,6 +1092,7 @@ class Daemon:
             "discovery": "inotify" if self._dir.watching else "scan",
             "rings": rings,
             "rings_refused": c.rings_refused,
+            "dirs_refused": self._dir.dirs_refused,  # instance directories (or the shm dir) failing the access rules
             "rings_broken": c.rings_broken,
             "broken_rings": list(self._broken[-10:]),
             "rejected_records": rejected,
@@ -1073,6 +1120,8 @@ class Daemon:
             "subscriptions_dropped_peer_gone": c.subscriptions_dropped_peer_gone,
             "connections": {"open": p.total if p else 0, "accepted": p.accepted if p else 0,
                             "refused": p.refused if p else 0, "peers": p.peers if p else 0,
+                            "refused_key": p.refused_key if p else 0,
+                            "curve": bool(p and p.curve is not None),
                             "accept_paused": bool(p and p.paused), "descriptor_limit": self.nofile},
             "delivered_messages": c.delivered_messages,
             "delivered_bytes": c.delivered_bytes,
@@ -1086,16 +1135,19 @@ class Daemon:
         }
 
 
-def _prepare_endpoint(endpoint: str, ctx: zmq.Context) -> None:
-    """Make an ipc socket's directory; refuse to take over a socket another daemon still serves."""
+def _prepare_endpoint(endpoint: str, ctx: zmq.Context, gid: int | None = None) -> None:
+    """Make an ipc socket's directory (or refuse a squatted one: UnsafePath); refuse to take over a
+    socket another daemon still serves."""
     if endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://"):]
-        if not path or path.startswith("@"):  # abstract namespace: nothing on disk
+        path = socket_path(endpoint)
+        if path is None:  # abstract namespace: nothing on disk
             return
         d = os.path.dirname(path)
         if d:
             try:
-                os.makedirs(d, mode=0o755, exist_ok=True)
+                prepare_socket_dir(d, gid)
+            except UnsafePath:
+                raise
             except OSError as e:
                 raise DaemonError(f"cannot create the socket directory {d}: {e}") from None
         if os.path.exists(path) and _answers(ctx, endpoint):

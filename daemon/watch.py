@@ -22,9 +22,11 @@ Rules:
 - Filters (AND): instance (exact), source (exact), tap_key_prefix, model (exact), decided on the
   capture's begin when the watch reaches it. Filtered-out captures produce no message; the watch's
   handled point moves past them and a `watermark` tells the client (at most every WATERMARK_S).
-- Order. Whole mode sends capture after capture in seq order, each once it has ended (Begin, data,
-  Gaps, End back to back): a capture that ends late holds later ones back for this watcher (every
-  capture ends within bounded time: the engine's END, or end_grace_s / writer death). Streamed
+- Order. Whole mode sends capture after capture in seq order: the capture at the head goes out as
+  its events are filed, the next one only after the head's End, so a capture that ends late holds
+  later ones back for this watcher (every capture ends within bounded time: the engine's END, or
+  end_grace_s / writer death). The client yields each capture whole at its End. A late Begin that
+  completes a lazily made head capture is sent again; the client keeps the fuller one. Streamed
   mode starts captures in seq order and then sends each capture's events as they are filed, so the
   events of concurrent captures interleave; within a capture, positions are in order.
 - Bounded, never blocking. A watcher holds no copies: its queue is a cursor into the store's
@@ -100,6 +102,7 @@ class _Open:
     entry: Entry
     index: int = 0  # next history event to send
     gone: str | None = None  # why the store dropped it, once it did
+    resend_begin: bool = False  # whole mode: a late Begin completed the one already sent
 
 
 @dataclass(eq=False)
@@ -114,7 +117,7 @@ class Watcher:
     current: _Open | None = None  # whole mode: the capture being sent
     open: dict[int, _Open] = field(default_factory=dict)  # streamed: started, not yet ended
     dirty: dict[int, None] = field(default_factory=dict)  # streamed: open captures with events to send
-    waiting_for: int | None = None  # whole mode: the seq whose end holds the others back
+    waiting_for: int | None = None  # whole mode: the running capture it is sending, which holds later ones back
     control: collections.deque = field(default_factory=collections.deque)  # watching / watermark
     arena: Any = None  # the daemon's arena, when the watcher maps it: descriptors instead of payloads
     pending: Frames | None = None  # taken by neither socket nor peer yet: sent first
@@ -198,25 +201,27 @@ class WatchHub:
     def filed(self, ev: Event, entry: Entry) -> None:
         """An event the store filed into `entry` (call for every event the store accepted)."""
         if isinstance(ev, Begin):
-            if entry.seq:
-                return  # a late Begin filling in a lazily made capture keeps its number
+            if entry.seq:  # a late Begin filling in a lazily made capture keeps its number
+                for w in self._watchers.values():
+                    o = w.current
+                    if o is not None and o.entry is entry and o.index > 0:
+                        o.resend_begin = True  # whole mode: the fuller begin replaces the one sent
+                        self._active.add(w)
+                return
             assert self.seqs is not None, "WatchHub.open() first"
             seq = entry.seq = self.seqs.take()
             self._by_seq[seq] = entry
             self._present.append(seq)  # numbers only grow: stays sorted
             for w in self._watchers.values():
-                if not w.whole:
+                if not w.whole or w.current is None:  # it may be the next capture this watcher wants
                     self._active.add(w)
             return
         seq = entry.seq
         if not seq or not self._watchers:
             return
-        end = isinstance(ev, End)
         for w in self._watchers.values():
             if w.whole:
-                # An end matters to a whole watcher held back by exactly this capture, or idle at the
-                # head of the stream (it may be the next one it wants).
-                if end and (w.waiting_for == seq or w.waiting_for is None):
+                if w.waiting_for == seq:  # the capture it is sending, one event at a time as filed
                     w.waiting_for = None
                     self._active.add(w)
             elif seq in w.open:
@@ -349,6 +354,9 @@ class WatchHub:
                         w.current = None
                         return self._lost_one(w, o)
                     h = o.entry.history
+                    if o.resend_begin:
+                        o.resend_begin = False
+                        return encode(h[0], o.entry, w.req.id)
                     if o.index < len(h):
                         ev = h[o.index]
                         o.index += 1
@@ -359,6 +367,9 @@ class WatchHub:
                             self.delivered_total += 1
                             w.announced = max(w.announced, o.entry.seq)
                         return frames
+                    if o.entry.end is None:  # sent all it has; the rest follows as it is filed
+                        w.waiting_for = o.entry.seq
+                        return None
                     w.current = None  # (an End is always last; defensive)
                     continue
             elif w.dirty:
@@ -410,9 +421,8 @@ class WatchHub:
             w.filtered += 1
             return False
         if w.whole:
-            if entry.end is None:
-                w.waiting_for = c
-                return None
+            # The head capture goes out as it is filed (the client assembles it and yields it at its
+            # end); the next one starts only after its End, so order holds and transfer overlaps.
             w.current = _Open(entry)
         else:
             w.open[c] = _Open(entry)

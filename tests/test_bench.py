@@ -42,6 +42,13 @@ def test_bench_transport_quick(tmp_path):
         assert row["complete"], row  # every record reached every subscriber
         assert row["p50_ms"] > 0 and row["gbps_per_sub"] > 0
     assert {row["subscribers"] for row in r["summary"]} == set(r["params"]["subscribers"])
+    # Watch against one subscription per capture, 1 and 4 consumers, in the same run.
+    rows = r["watch_summary"]
+    assert {(row["mode"], row["consumers"]) for row in rows} == {(m, n) for m in ("watch", "subscribe")
+                                                                  for n in r["params"]["subscribers"]}
+    for row in rows:
+        assert row["complete"], row  # every capture reached every consumer
+        assert row["captures_per_s"] > 0 and row["gbps"] > 0
 
 
 @pytest.mark.timeout(150)

@@ -156,17 +156,17 @@ def _types(msgs):
     return [(m["type"], m.get("seq", m.get("first"))) for m in msgs]
 
 
-def test_whole_mode_sends_each_capture_at_its_end_in_seq_order(tmp_path):
+def test_whole_mode_sends_capture_after_capture_in_seq_order(tmp_path):
     r = Rig(tmp_path)
     assert r.watch(b"w", since=0) is None
     r.file(_begin("a"), _begin("b"), _tokens("a", 0), _tokens("b", 0), _end("b", stop=1))
     m = r.msgs(b"w")
-    assert [x["type"] for x in m] == ["watching"]  # b ended first, but a (seq 1) holds it back
+    # b ended first, but a (seq 1) holds it back; a itself goes out as it is filed.
+    assert _types(m) == [("watching", None), ("begin", 1), ("tokens", 1)]
     r.file(_tokens("a", 1), _end("a", stop=2))
     m = r.msgs(b"w")
-    assert _types(m) == [("begin", 1), ("tokens", 1), ("tokens", 1), ("end", 1), ("begin", 2), ("tokens", 2),
-                         ("end", 2)]
-    assert m[0]["request_id"] == "a" and m[4]["request_id"] == "b"
+    assert _types(m) == [("tokens", 1), ("end", 1), ("begin", 2), ("tokens", 2), ("end", 2)]
+    assert m[3]["request_id"] == "b"
 
 
 def test_streamed_mode_starts_in_seq_order_and_interleaves_live(tmp_path):
@@ -400,3 +400,21 @@ def test_many_drops_compact_the_index_and_forget_old_tombstones_but_still_report
     r.now += 0.3
     r.hub.tick(r.now)
     assert [x["seq"] for x in r.msgs(b"f") if x["type"] == "watermark"] == [3000]
+
+
+def test_whole_mode_late_begin_completes_the_head_capture_without_losing_its_data(tmp_path):
+    from vllm_tap.client import WatchedCapture
+
+    r = Rig(tmp_path)
+    r.watch(b"w", since=0, wid=1)
+    st = _client(True)
+    lazy = Begin("default", "a", "", 0, None, 1, "", None, 0, True, False, 0.0)  # made from data: no BEGIN seen
+    r.file(lazy, _tokens("a", 0), _tokens("a", 1))
+    assert _feed(st, r.msgs(b"w")) == []
+    full = Begin("default", "a", "key", 2, [1, 2], 1, "m", {"source": "policy"}, 0, True, True, 0.0, "policy")
+    r.file(full, _tokens("a", 2), _end("a", stop=3))
+    m = r.msgs(b"w")
+    assert [(x["type"], x.get("model")) for x in m][:1] == [("begin", "m")]  # sent again, fuller
+    (cap,) = _feed(st, m)
+    assert isinstance(cap, WatchedCapture) and cap.model == "m" and cap.source == "policy" and cap.tap_key == "key"
+    assert cap.capture.positions.tolist() == [0, 1, 2]

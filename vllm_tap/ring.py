@@ -30,6 +30,7 @@ numpy stores below would need explicit fences.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import errno
 import grp
 import logging
@@ -45,7 +46,7 @@ import msgpack
 import numpy as np
 
 from vllm_tap import ring_format as rf
-from vllm_tap import ring_schema
+from vllm_tap import ring_schema, safe_paths
 from vllm_tap.doorbell import DoorbellPush, doorbell_path
 from vllm_tap.records import RequestRef, RequestTable, RingRecord, TensorId
 
@@ -103,14 +104,19 @@ def ring_path(shm_dir: str, instance: str, rank: int) -> str:
 
 
 def ensure_dir(path: str, mode: int = 0o700, group: str | None = None) -> None:
-    os.makedirs(path, mode=mode, exist_ok=True)
-    if group is not None:
-        gid = grp.getgrnam(group).gr_gid
-        try:
-            os.chown(path, -1, gid)
-            os.chmod(path, 0o2750)  # group may enter and read; setgid keeps new files in the group
-        except PermissionError:
-            log.warning("cannot give %s to group %s", path, group)
+    """The instance directory `path` and the shm directory above it, made or checked (safe_paths):
+    neither may be a link, someone else's (unless it belongs to `group`, whose members vouch for
+    it), or open to others. UnsafePath (one line naming it) otherwise, which stops start-up: a
+    squatted directory would let its maker read or forge every capture."""
+    gid = safe_paths.gid_of(group) if group is not None else None
+    rule = safe_paths.Expect(safe_paths.dir_mode(0o660), safe_paths.me(), vouching_group=gid)
+    parent = os.path.dirname(path)
+    if parent:
+        safe_paths.ensure_dir(parent, (stat.S_ISGID | 0o770) if gid is not None else 0o700,
+                              dataclasses.replace(rule, sticky_root_ok=True), gid=gid, what="shm directory")
+    # group may enter and read; setgid keeps new files in the group
+    safe_paths.ensure_dir(path, (stat.S_ISGID | 0o750) if gid is not None else mode & 0o700, rule, gid=gid,
+                          what="instance directory")
 
 
 class _Cursor:

@@ -98,8 +98,8 @@ class TransportParams:
     def quick(cls) -> "TransportParams":
         return cls(sizes=[4 * KiB, 256 * KiB, 1 * MiB], subscribers=[1, 4], repeats=1, latency_records=60,
                    throughput_bytes=16 * MiB, min_records=32, max_records=2000, ring_bytes=64 * MiB,
-                   retain_bytes=32 * MiB, trickle_records=50, watch_bytes=8 * MiB, watch_max_captures=500,
-                   watch_shapes=[(4, 256 * KiB)], memcpy_bytes=16 * MiB)
+                   retain_bytes=32 * MiB, trickle_records=50, watch_bytes=8 * MiB, watch_min_captures=16,
+                   watch_max_captures=300, watch_shapes=[(4, 256 * KiB)], memcpy_bytes=16 * MiB)
 
     def pace(self, size: int) -> float:
         return max(self.min_pace_s, size / self.pace_bandwidth)
