@@ -459,7 +459,7 @@ class Daemon:
         def sink(plan: Any, i: int) -> Any:
             h = plan.h
             return reasm.target(plan.request_id(i), h.step, tensor_id(h.tensor, h.layer), h.slice_start, h.slice_stop, h.full_dim,
-                                plan.part_shapes()[i][0], plan.dtype)
+                                plan.part_rows(i), plan.dtype)
 
         return sink
 

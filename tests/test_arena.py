@@ -297,7 +297,7 @@ def test_tensor_parallel_slices_are_read_straight_into_one_array(shm_dir):
                        slice_=(lo, hi), full_dim=16384, expected_ranks=2)
         r = RingReader(path)
         r.sink = lambda plan, i: reasm.target(plan.request_id(i), plan.h.step, logits, plan.h.slice_start,
-                                              plan.h.slice_stop, plan.h.full_dim, plan.part_shapes()[i][0], plan.dtype)
+                                              plan.h.slice_stop, plan.h.full_dim, plan.part_rows(i), plan.dtype)
         (rec,) = r.poll()
         assert a.locate(rec.data) is None and rec.data.base is not None  # a column view of the shared array
         events += reasm.feed(rec, 1.0)
@@ -502,3 +502,32 @@ def _as_user(pw, fn, *args) -> str:
 
 def capture_arrays_from_expected(sc: Scenario) -> dict[str, bytes]:
     return {k: np.ascontiguousarray(v).tobytes() for k, v in expected(sc, 0).items()}
+
+
+def test_rows_of_a_request_spread_over_a_record_go_through_the_sink(shm_dir):
+    """A step's record whose rows of one request are not together (a prefill's extra rows before the
+    batch's sampled rows): each request's rows land in its own arena array, in order."""
+    from vllm_tap.records import RequestRef, RequestTable
+    from vllm_tap.ring_schema import tensor_id
+
+    a = Arena.create(shm_dir, 8 << 20)
+    os.makedirs(os.path.join(shm_dir, "i"))
+    reasm = Reassembler("i", alloc=a.alloc, hold_newest=0)
+    path = os.path.join(shm_dir, "i", "rank-00000.ring")
+    w = RingWriter(path, 1 << 22)
+    table = RequestTable([RequestRef("a", start=0), RequestRef("b", start=0)])
+    rows = np.array([[0, 1, 0, 1], [0, 0, 1, 1], [5, 6, 7, 8]], np.int32)  # slots a, b, a, b
+    res = w.reserve_rows(table, rows, TensorId(rf.TensorKind.LOGITS), dtype=rf.DType.FLOAT32, width=64, step=1)
+    data = np.arange(4 * 64, dtype=np.float32).reshape(4, 64)
+    res.payload[:] = data.view(np.uint8).reshape(-1)
+    w.commit(res)
+    r = RingReader(path)
+    r.sink = lambda plan, i: reasm.target(plan.request_id(i), plan.h.step, tensor_id(plan.h.tensor, plan.h.layer),
+                                          plan.h.slice_start, plan.h.slice_stop, plan.h.full_dim, plan.part_rows(i),
+                                          plan.dtype)
+    toks = {e.request_id: e for rec in r.poll() for e in reasm.feed(rec, 1.0) if isinstance(e, Tokens)}
+    assert (toks["a"].tensors["logits"] == data[[0, 2]]).all() and (toks["b"].tensors["logits"] == data[[1, 3]]).all()
+    assert all(a.locate(t.tensors["logits"]) is not None for t in toks.values())
+    r.close()
+    w.close()
+    a.close()

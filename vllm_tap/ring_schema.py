@@ -417,6 +417,13 @@ class DataPlan:
     def request_id(self, i: int) -> str:
         return self.entries[self.groups[i][0]].request_id
 
+    def part_rows(self, i: int) -> int:
+        """Rows of group i, whatever form its rows take (all, a slice, or an index array)."""
+        rows = self.groups[i][1]
+        if rows is None:
+            return self.h.n_rows
+        return rows.stop - rows.start if isinstance(rows, slice) else len(rows)
+
     def records(self, payload: np.ndarray | None = None, parts: list[np.ndarray] | None = None,
                 sink: Sink | None = None) -> list[RingRecord]:
         """payload: all rows [n, width] (copied out per request, into `sink`'s array where it gives
