@@ -50,6 +50,8 @@ class AsyncSubscription(SubscriptionView):
                     frames = await sock.recv_multipart(copy=False)
                     for item in st.on_frames(frames, loop.time()):
                         yield item
+                    while st.outbox:
+                        await _send(sock, st.outbox.pop(0))
                 else:
                     await _check_refused(mon, st.endpoint)
                     await _send(sock, st.on_silence(loop.time()))

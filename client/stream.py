@@ -20,6 +20,7 @@ from vllm_tap import wire_format as wf
 from vllm_tap.positions import PositionRanges
 from vllm_tap.daemon.config import default_endpoint
 
+from vllm_tap.client.arena import OVERWRITTEN, ArenaUse
 from vllm_tap.client.errors import CaptureLost, CaptureNotFound, DaemonUnavailable, ProtocolError, error_for
 from vllm_tap.client.records import CaptureBegin, CaptureEnd, Chunk, Gap, widen
 
@@ -46,6 +47,8 @@ class StreamState:
         self.timeout = timeout
         self.heartbeat_s = heartbeat_s
         self.sub_id = (os.getpid() << 20) + next(_ids)
+        self.arena = ArenaUse(endpoint)  # same host: arrays are copied out of the daemon's shared memory
+        self.outbox: list[list[bytes]] = []  # messages on_frames wants sent (the caller sends them)
         self.begin: CaptureBegin | None = None
         self.end: CaptureEnd | None = None
         self.next_position: int | None = None
@@ -62,7 +65,7 @@ class StreamState:
 
     def _subscribe(self, timeout: float) -> list[bytes]:
         return wf.Subscribe(self.sub_id, self.name, self.index, self.instance, self.next_position,
-                            max(0.0, timeout)).frames()
+                            max(0.0, timeout), self.arena.offer).frames()
 
     def cancel(self) -> list[bytes]:
         return wf.Cancel(self.sub_id).frames()
@@ -110,6 +113,13 @@ class StreamState:
                                   f"{self.next_position} on are lost")
             raise error_for(code, message)
         if t == wf.BEGIN:
+            if not self.arena.advert(h.get("arena")):
+                # The daemon's arena cannot be mapped here (another container, no permission): the
+                # same subscription again, under a new id, with payloads as frames.
+                self.outbox.append(self.cancel())
+                self.sub_id = (os.getpid() << 20) + next(_ids)
+                self.outbox.append(self._subscribe(max(self.timeout - (now - self._t0), 1.0)))
+                return []
             if self.begin is None:  # a resumed subscription repeats it: keep the first
                 self.begin = CaptureBegin(
                     h["request_id"], h["instance"], h.get("tap_key", ""), tuple(h.get("names", ())), h.get("response_id", ""),
@@ -143,9 +153,19 @@ class StreamState:
         if self.next_position is not None and start + count <= self.next_position:
             return []
         try:
-            tensors = wf.read_tensors(h.get("tensors", []), frames)
+            if "arena" in h:
+                arena_tensors = self.arena.tensors(h)
+                if arena_tensors is None:  # copied too late: the daemon had reused the region
+                    at = start if self.next_position is None else max(start, self.next_position)
+                    self.lost = self.lost.union([range(at, start + count)])
+                    return self._gap(rid, start, start + count, OVERWRITTEN)
+                tensors = arena_tensors
+            else:
+                tensors = wf.read_tensors(h.get("tensors", []), frames)
         except wf.WireError as e:
             raise ProtocolError(e.message) from None
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
         ids = np.frombuffer(h["token_ids"], "<i4")
         chunk = Chunk.from_tensors(rid, start, ids, int(h.get("num_prompt_tokens", 0)),
                                    {n: widen(code, a) for n, (code, a) in tensors.items()})

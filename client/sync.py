@@ -59,6 +59,8 @@ class Subscription(SubscriptionView):
                         _send(sock, st.on_silence(time.monotonic()))
                     continue
                 yield from st.on_frames(frames, time.monotonic())
+                while st.outbox:
+                    _send(sock, st.outbox.pop(0))
         finally:
             if not st.done:
                 _send(sock, st.cancel())

@@ -19,7 +19,9 @@ Rules (the daemon side, daemon/watch.py, keeps the same ones):
   WatchStart / WatchData / WatchEnd as captures run: starts come in seq order, the data of
   concurrent captures interleaves, each capture's positions come in order.
 - What will not come arrives as LostCaptures(first, last, reason), never as a silent hole (reasons:
-  wire_format.LOST_REASONS). Captures the filters exclude are skipped silently; they still advance
+  wire_format.LOST_REASONS). Over shared memory (same host), a capture whose arrays the daemon
+  reused before this watcher copied them is lost as "watcher too slow" in whole mode; in streamed
+  mode those positions come as a Gap (client.arena.OVERWRITTEN). Captures the filters exclude are skipped silently; they still advance
   `last_seq` (the daemon sends a watermark), so a caller that persists `last_seq` makes progress.
   watermarks=True also yields Watermark items, for callers that persist only between items.
 - `last_seq` is the highest seq such that every capture up to it has been yielded, reported lost or
@@ -32,6 +34,7 @@ Rules (the daemon side, daemon/watch.py, keeps the same ones):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -44,7 +47,9 @@ import zmq
 import zmq.asyncio
 
 from vllm_tap import wire_format as wf
+from vllm_tap.positions import PositionRanges
 
+from vllm_tap.client.arena import OVERWRITTEN, ArenaUse
 from vllm_tap.client.errors import DaemonUnavailable, ProtocolError, TapError, error_for
 from vllm_tap.client.records import Capture, CaptureBegin, CaptureBuilder, CaptureEnd, Chunk, Gap, widen
 
@@ -191,11 +196,20 @@ def _begin(h: dict[str, Any]) -> CaptureBegin:
     )
 
 
-def _chunk(h: dict[str, Any], frames: Sequence[Any]) -> Chunk:
+def _chunk(h: dict[str, Any], frames: Sequence[Any], arena: ArenaUse | None = None) -> Chunk | None:
+    """The message's chunk; None when its arrays were in arena regions reused before they were copied."""
     try:
-        tensors = wf.read_tensors(h.get("tensors", []), frames)
+        if "arena" in h and arena is not None:
+            got = arena.tensors(h)
+            if got is None:
+                return None
+            tensors = got
+        else:
+            tensors = wf.read_tensors(h.get("tensors", []), frames)
     except wf.WireError as e:
         raise ProtocolError(e.message) from None
+    except ValueError as e:
+        raise ProtocolError(str(e)) from None
     ids = np.frombuffer(h["token_ids"], "<i4")
     return Chunk.from_tensors(h["request_id"], int(h["start"]), ids, int(h.get("num_prompt_tokens", 0)),
                               {n: widen(code, a) for n, (code, a) in tensors.items()})
@@ -235,6 +249,9 @@ class WatchState:
         self.timeout = timeout
         self.heartbeat_s = heartbeat_s
         self.sub_id = sub_id
+        self.arena = ArenaUse(endpoint)  # same host: arrays are copied out of the daemon's shared memory
+        self.outbox: list[list[bytes]] = []  # messages on_frames wants sent (the caller sends them)
+        self._overwritten: dict[int, PositionRanges] = {}  # seq -> positions lost to a reused arena region
         self.last_seq: int | None = since
         self.accepted: dict[str, Any] | None = None  # the daemon's `watching` answer
         self.done = False
@@ -255,7 +272,7 @@ class WatchState:
         self._sent = now
         if not self._heard:
             self._heard = now
-        return wf.WatchRequest(self.sub_id, self.last_seq, self.whole, **self.filters).frames()
+        return wf.WatchRequest(self.sub_id, self.last_seq, self.whole, **self.filters, arena=self.arena.offer).frames()
 
     def cancel(self) -> list[bytes]:
         return wf.Cancel(self.sub_id).frames()
@@ -292,6 +309,13 @@ class WatchState:
                 raise WatchRejected(message)
             raise error_for(code, message)
         if t == wf.WATCHING:
+            if not self.arena.advert(h.get("arena")):
+                # The daemon's arena cannot be mapped here: the same watch again, under a new id,
+                # with payloads as frames.
+                self.outbox.append(self.cancel())
+                self.sub_id = new_watch_id()
+                self.outbox.append(self.request(now))
+                return []
             self.accepted = h
             # A watch (re)started by the daemon replays from since: a half-received capture starts over.
             self._cur_seq = self._cur_begin = self._cur = None
@@ -308,11 +332,23 @@ class WatchState:
         if t == wf.BEGIN:
             return self._on_begin(seq, _begin(h))
         if t == wf.TOKENS:
-            return self._on_item(seq, _chunk(h, frames[1:]))
+            chunk = _chunk(h, frames[1:], self.arena)
+            if chunk is None:  # copied too late: the daemon had reused the region
+                start, stop = int(h["start"]), int(h["start"]) + int(h["count"])
+                self._overwritten[seq] = self._overwritten.get(seq, PositionRanges()).union([range(start, stop)])
+                return self._on_item(seq, Gap(range(start, stop), OVERWRITTEN, h["request_id"]))
+            return self._on_item(seq, chunk)
         if t == wf.GAP:
             return self._on_item(seq, Gap(range(int(h["start"]), int(h["stop"])), str(h.get("reason", "")), h["request_id"]))
         if t == wf.END:
-            return self._on_end(seq, _end(h))
+            end = _end(h)
+            lost = self._overwritten.pop(seq, None)
+            if lost and self.whole and not self._handled(seq):
+                # A whole capture is delivered exact or not at all: this one went while we lagged.
+                return self._lost(seq, seq, wf.LOST_TOO_SLOW, OVERWRITTEN)
+            if lost:
+                end = dataclasses.replace(end, missing_positions=PositionRanges.of(end.missing_positions).union(lost))
+            return self._on_end(seq, end)
         raise ProtocolError(f"unexpected message type {t!r} from the daemon")
 
     def _advance(self, first: int, last: int | None = None) -> None:
@@ -479,6 +515,8 @@ class Watch:
                             _send(sock, again)
                     continue
                 yield from st.on_frames(frames, time.monotonic())
+                while st.outbox:
+                    _send(sock, st.outbox.pop(0))
         finally:
             if not st.done:
                 _send(sock, st.cancel())
@@ -535,6 +573,8 @@ class AsyncWatch:
                     frames = await sock.recv_multipart(copy=False)
                     for item in st.on_frames(frames, loop.time()):
                         yield item
+                    while st.outbox:
+                        await _asend(sock, st.outbox.pop(0))
                 else:
                     again = st.on_silence(loop.time())
                     if again is not None:

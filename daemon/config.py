@@ -35,6 +35,8 @@ class DaemonConfig:
     end_grace_s: float = 5.0  # after the first END, wait this long for other ranks' slices
     subscriber_queue: int = 10000  # messages queued per subscriber before it is cut off as too slow
     inflight_bytes: int = 4 << 30  # held for captures not ended yet; beyond, the biggest is cut (gaps)
+    arena_bytes: int = 2 << 30  # shared memory for delivered arrays (same-host subscribers map it); 0 = off
+    arena_linger_s: float = 10.0  # a capture fully sent to an arena subscriber stays this long for it to copy
     max_connections: int = 4096  # connections to the socket in all; more are refused
     max_connections_per_peer: int = 1024  # per process (ipc://) or address (tcp://)
     max_subscriptions: int = 65536  # subscriptions in all; more are refused with an error

@@ -47,6 +47,14 @@ DOCS: dict[str, str] = {
     "inflight_bytes": "Memory for captures that have not ended yet (their histories and what reassembly holds); "
     "beyond it the biggest capture is cut: its remaining positions become gaps saying `over budget`. Raise it "
     "for long full-logit captures (bytes; `4GiB` accepted).",
+    "arena_bytes": "Shared memory (`<shm_dir>/.arena-<id>`, mode 0640) holding the arrays the daemon delivers "
+    "and retains; subscribers on the same host (`ipc://`) map it read-only and receive descriptors instead of "
+    "payloads. tmpfs pages are reserved as it fills; arrays that do not fit are delivered as frames. 0 = off "
+    "(bytes; `2GiB` accepted).",
+    "arena_linger_s": "After the last message of a capture went to a subscriber through the arena, how long its "
+    "arrays are kept for that subscriber to copy them even if retention dropped the capture (seconds); a subscriber "
+    "slower than this gets a gap saying `overwritten`. Pins go with the subscriber's connection and never exceed "
+    "half of `arena_bytes` in all.",
     "max_connections": "Connections to the subscriber socket at once; more are refused (the client says so). "
     "Also kept below the descriptor limit.",
     "max_connections_per_peer": "Connections at once from one peer: one process over `ipc://`, one address over "
@@ -194,7 +202,7 @@ def _validate(cfg: DaemonConfig) -> list[tuple[str, str]]:
         bad.append(("endpoint", f"unsupported endpoint {cfg.endpoint!r}: use ipc://PATH or tcp://HOST:PORT"))
     if cfg.poll_interval_s <= 0:
         bad.append(("poll_interval_s", f"must be > 0, got {cfg.poll_interval_s}"))
-    for key in ("retain_bytes", "retain_ttl_s", "end_grace_s"):
+    for key in ("retain_bytes", "retain_ttl_s", "end_grace_s", "arena_bytes", "arena_linger_s"):
         if getattr(cfg, key) < 0:
             bad.append((key, f"must be >= 0, got {getattr(cfg, key)}"))
     for key in ("subscriber_queue", "inflight_bytes", "max_connections", "max_connections_per_peer",

@@ -1,8 +1,12 @@
-"""Reassembly events as wire messages (see vllm_tap.wire_format for the protocol)."""
+"""Reassembly events as wire messages (see vllm_tap.wire_format for the protocol).
+
+With `arena` (the subscriber maps the daemon's arena), a Tokens event whose arrays all lie in the
+arena goes out as descriptors (a few dozen bytes); otherwise, and for every other subscriber, its
+arrays go out as frames, sent without copying."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_tap import wire_format as wf
 from vllm_tap.positions import PositionRanges
@@ -10,21 +14,44 @@ from vllm_tap.positions import PositionRanges
 from vllm_tap.daemon.reassembly import Begin, End, Event, Gap, Tokens
 from vllm_tap.daemon.store import Entry
 
+if TYPE_CHECKING:
+    from vllm_tap.daemon.arena import Arena
+
 Frames = list[Any]  # bytes headers and numpy buffers, sent without copying
 
 
-def encode(ev: Event, entry: Entry, sub_id: int, from_position: int | None = None) -> Frames | None:
-    """The message for one event of `entry`'s history; None when from_position leaves nothing of it."""
+def arena_advert(arena: "Arena | None") -> list | None:
+    """What a first reply says of the arena: [path, arena_id], for a client that offered to map it."""
+    return [arena.path, arena.arena_id] if arena is not None else None
+
+
+def encode(ev: Event, entry: Entry, sub_id: int, from_position: int | None = None,
+           arena: "Arena | None" = None) -> Frames | None:
+    """The message for one event of `entry`'s history; None when from_position leaves nothing of it.
+    `arena`: the subscriber maps it (it offered, and was told in the Begin / watching reply)."""
     if isinstance(ev, Tokens):
         if from_position is not None:
             if ev.stop <= from_position:
                 return None
             ev = ev.cut(from_position)
+        cached = ev.__dict__.get("_wire")  # what every subscriber of this event shares, made once
+        if cached is None:
+            cached = ev.__dict__["_wire"] = [ev.token_ids.astype("<i4", copy=False).tobytes(), False]
+        ids = cached[0]
+        if arena is not None:
+            if cached[1] is False:
+                cached[1] = wf.describe_arena(ev.tensors, ev.dtypes, arena.locate)
+            adescs = cached[1]
+            if adescs is not None:
+                return [wf.pack(
+                    wf.TOKENS, sub_id, seq=entry.seq, request_id=ev.request_id, instance=ev.instance, start=ev.start,
+                    count=len(ev.positions), token_ids=ids, num_prompt_tokens=ev.num_prompt_tokens, tensors=adescs,
+                    arena=arena.arena_id,
+                )]
         descs, bufs = wf.describe_tensors(ev.tensors, ev.dtypes)
         header = wf.pack(
             wf.TOKENS, sub_id, seq=entry.seq, request_id=ev.request_id, instance=ev.instance, start=ev.start,
-            count=len(ev.positions), token_ids=ev.token_ids.astype("<i4", copy=False).tobytes(),
-            num_prompt_tokens=ev.num_prompt_tokens, tensors=descs,
+            count=len(ev.positions), token_ids=ids, num_prompt_tokens=ev.num_prompt_tokens, tensors=descs,
         )
         return [header, *bufs]
     if isinstance(ev, Gap):
@@ -41,7 +68,7 @@ def encode(ev: Event, entry: Entry, sub_id: int, from_position: int | None = Non
             wf.BEGIN, sub_id, seq=entry.seq, request_id=b.request_id, instance=b.instance, tap_key=b.tap_key, names=list(entry.names),
             response_id=entry.response_id, choice_index=entry.choice_index, num_prompt_tokens=b.num_prompt_tokens,
             prompt_token_ids=b.prompt_token_ids, n=b.n, model=b.model, spec=b.spec, start_position=b.start_position,
-            lazy=b.lazy, source=b.source,
+            lazy=b.lazy, source=b.source, arena=arena_advert(arena),
         )]
     assert isinstance(ev, End)
     missing = ev.missing_positions if isinstance(ev.missing_positions, PositionRanges) else \

@@ -115,6 +115,14 @@ class DaemonCollector(Collector):
                        s["subscribers_too_slow"])
         yield _counter("vllm_tap_delivered_messages", "Messages sent to subscribers.", s["delivered_messages"])
         yield _counter("vllm_tap_delivered_bytes", "Bytes sent to subscribers.", s["delivered_bytes"])
+        arena = s.get("arena")
+        if arena:
+            yield _gauge("vllm_tap_arena_allocated_bytes", "Bytes of the delivery arena held by arrays.",
+                         arena["allocated_bytes"])
+            yield _counter("vllm_tap_arena_fallbacks", "Arrays kept on the heap (delivered as frames) because the "
+                           "arena or its file system was full.", arena["fallbacks"])
+            yield _counter("vllm_tap_arena_messages", "Tokens messages sent as arena descriptors.",
+                           s.get("arena_messages", 0))
         yield _counter("vllm_tap_bad_requests", "Client messages rejected as malformed.", s["bad_requests"])
         yield _counter("vllm_tap_rejected_records", "Ring records that did not fit the record schema, all rings "
                        "(including rings no longer read).", s.get("rejected_records", 0))

@@ -35,16 +35,26 @@ Rules for what is expected and when a capture ends:
   one range, not memory in proportion to the distance.
 - Bytes held here (pending groups, ready chunks) are counted per request and in `held_bytes`, so
   the daemon can keep all captures in flight inside a budget.
+
+Where arrays live (the one copy): the reassembler is given an allocator (`alloc(shape, dtype) ->
+array | None`, the daemon's delivery arena; None here means numpy's heap). Before a DATA record's
+payload is read, the ring reader asks `target()` where its rows go: a whole tensor gets an array
+of its own; a tensor-parallel slice gets its columns of one [rows, full_dim] array shared by the
+step's slices, so reading the slices assembles the tensor and _complete has nothing to
+concatenate. Only if the slices turn out not to tile that array (a duplicate of other rows, a
+rank that sent other positions) is the tensor concatenated, as before. The allocator is an
+interface: no IO happens here.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Union
+from typing import Any, Callable, Iterable, Union
 
 import numpy as np
 
@@ -68,6 +78,9 @@ RING_BROKEN = "ring broken"  # the ring file changed under the daemon (truncated
 END_LOST = "end lost"  # the engine stopped naming the request in its LIVE records and no END came
 MALFORMED = "malformed record"  # a record of the capture did not fit the ring schema
 OVER_BUDGET = "over budget"  # the daemon's in-flight memory budget (inflight_bytes) was exceeded
+
+Alloc = Callable[[tuple[int, int], Any], "np.ndarray | None"]  # (shape, dtype) -> array, None: use the heap
+MAX_TARGETS = 1 << 16  # tensor-parallel targets waiting for their other slices, at most
 
 HOLD_NEWEST = 1  # output positions held back until a later one is seen or the END comes (async scheduling)
 LIVE_SILENCE_S = 3.0  # left out of the latest LIVE, then nothing about it for this long: as good as two absences
@@ -127,8 +140,8 @@ class Tokens:
     def stop(self) -> int:
         return int(self.positions[-1]) + 1
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # asked several times per event (budgets, retention): computed once
         return sum(a.nbytes for a in self.tensors.values()) + self.positions.nbytes + self.token_ids.nbytes
 
     def cut(self, from_position: int) -> "Tokens":
@@ -292,7 +305,7 @@ class _Request:
         """Every position already delivered or waiting in `ready` (a duplicate or recompute)."""
         if self.frontier is None:
             return False
-        if int(positions.max()) < self.frontier:
+        if _top(positions) < self.frontier:
             return True
         rest = positions[positions >= self.frontier]
         for _, _, _, ch in self.ready:
@@ -320,8 +333,12 @@ class Reassembler:
     """Per-request reassembly for the rings of one engine instance."""
 
     def __init__(self, instance: str = "default", *, end_grace_s: float = 5.0, gone_grace_s: float = GONE_GRACE_S,
-                 finished_memory: int = 65536, hold_newest: int = HOLD_NEWEST, live_silence_s: float = LIVE_SILENCE_S):
+                 finished_memory: int = 65536, hold_newest: int = HOLD_NEWEST, live_silence_s: float = LIVE_SILENCE_S,
+                 alloc: Alloc | None = None):
         self.instance = instance
+        self.alloc = alloc
+        # (request id, step, tensor) -> the [rows, full_dim] array its slices are read into
+        self._targets: OrderedDict[tuple[str, int, TensorId], np.ndarray] = OrderedDict()
         self.end_grace_s = end_grace_s
         self.gone_grace_s = min(gone_grace_s, end_grace_s)
         self.hold_newest = hold_newest
@@ -360,6 +377,26 @@ class Reassembler:
     def resumed_ring(self, ring: str) -> None:
         """`ring` was being read by a previous daemon: captures first seen in it may have lost their head to it."""
         self._resumed.add(ring)
+
+    def target(self, request_id: str, step: int, tensor: TensorId, slice_start: int, slice_stop: int, full_dim: int,
+               rows: int, dtype: Any) -> np.ndarray | None:
+        """Where the rows of a DATA record go before it is read ([rows, slice_stop - slice_start]),
+        or None for a private array: a whole tensor gets its own array from the allocator; a slice,
+        its columns of the array shared by the step's slices of that tensor."""
+        if self.alloc is None or request_id in self._finished:
+            return None
+        if slice_start == 0 and slice_stop == full_dim:
+            return self.alloc((rows, full_dim), dtype)
+        key = (request_id, step, tensor)
+        t = self._targets.get(key)
+        if t is None or t.shape != (rows, full_dim) or t.dtype != dtype:
+            t = self.alloc((rows, full_dim), dtype)
+            if t is None:
+                return None
+            self._targets[key] = t
+            if len(self._targets) > MAX_TARGETS:  # slices that never completed (their requests are gone)
+                self._targets.popitem(last=False)
+        return t[:, slice_start:slice_stop]
 
     def feed(self, record: RingRecord, now: float) -> list[Event]:
         out: list[Event] = []
@@ -542,7 +579,7 @@ class Reassembler:
         # else: a duplicate BEGIN; the first one stands
 
     def _seen(self, req: _Request, positions: np.ndarray) -> None:
-        top = int(positions.max())
+        top = _top(positions)
         if top > req.max_seen:
             req.max_seen = top
 
@@ -562,8 +599,8 @@ class Reassembler:
         if req.spec is None and req.start is None and not req.tail:
             self._apply_table(req, r)
         if req.frontier is None and req.start is None and req.lazy and not req.tail:
-            req.frontier = req.first_frontier = int(r.positions.min())  # capture starts at the first position seen
-        if req.stop is not None and int(r.positions.min()) >= req.stop:
+            req.frontier = req.first_frontier = _bottom(r.positions)  # capture starts at the first position seen
+        if req.stop is not None and _bottom(r.positions) >= req.stop:
             self.stats["past_end_records"] += 1  # computed after the end (async scheduling): never delivered
             return
         self._seen(req, r.positions)
@@ -586,7 +623,7 @@ class Reassembler:
             return
         self._account(req, g.add(r))
         if g.complete():
-            self._take_group(req, g)
+            self._take_group(req, g, keep_targets=True)  # _complete takes them
             self._complete(req, g, now)
             self._pump(req, now, out)
 
@@ -673,10 +710,18 @@ class Reassembler:
         req.nbytes += delta
         self.held_bytes += delta
 
-    def _take_group(self, req: _Request, g: _Group) -> None:
+    def _take_group(self, req: _Request, g: _Group, keep_targets: bool = False) -> None:
         if req.groups.get(g.step) is g:
             del req.groups[g.step]
             self._account(req, -g.nbytes)
+        if not keep_targets:
+            self._drop_targets(req, g)
+
+    def _drop_targets(self, req: _Request, g: _Group) -> None:
+        if self._targets:
+            for recs in g.parts.values():
+                for rec in recs.values():
+                    self._targets.pop((req.request_id, g.step, rec.tensor), None)
 
     # -- assembly --
 
@@ -687,6 +732,8 @@ class Reassembler:
                 by_tensor.setdefault(rec.tensor, []).append(rec)  # type: ignore[arg-type]
         tensors: dict[str, np.ndarray] = {}
         dtypes: dict[str, int] = {}
+        targets = {tid: self._targets.pop((req.request_id, g.step, tid), None) for tid in by_tensor} \
+            if self._targets else {}
         for tid in sorted(by_tensor, key=lambda t: (t.kind, t.layer)):
             recs = sorted(by_tensor[tid], key=lambda x: x.slice_start)
             full, dt = recs[0].full_dim, recs[0].dtype
@@ -704,9 +751,19 @@ class Reassembler:
                 self._fail_groups(req, [g], INCOMPLETE)
                 self._kill_stale(req, g)
                 return
-            # One record: its own array, no copy. Several: one concatenation in slice order.
+            # One record: its own array, no copy. Several: read into their places of one array
+            # (target()), else one concatenation in slice order.
             name = _tensor_name(tid)
-            tensors[name] = recs[0].data if len(recs) == 1 else np.concatenate([x.data for x in recs], axis=1)
+            if len(recs) == 1:
+                tensors[name] = recs[0].data
+            else:
+                t = targets.get(tid)
+                if t is not None and _tiles(t, recs):
+                    tensors[name] = t
+                else:
+                    shape = (len(recs[0].data), full)
+                    out = self.alloc(shape, recs[0].data.dtype) if self.alloc is not None else None
+                    tensors[name] = np.concatenate([x.data for x in recs], axis=1, out=out)
             dtypes[name] = dt
         num_prompt = req.num_prompt_tokens or g.num_prompt_tokens
         for start, stop, rows in _runs(g.positions):
@@ -845,6 +902,8 @@ class Reassembler:
         del self._requests[req.request_id]
         self._account(req, -req.nbytes)
         req.ready = []
+        for g in req.groups.values():
+            self._drop_targets(req, g)
         self._finished[req.request_id] = None
         while len(self._finished) > self._finished_memory:
             self._finished.popitem(last=False)
@@ -867,6 +926,27 @@ class Reassembler:
             m.end_position if m is not None else None, (start, stop) if stop > start else None, missing,
             req.delivered, now, req.source,
         ))
+
+
+def _top(positions: np.ndarray) -> int:
+    # One row (a decode step) is the common case: a scalar read, not a reduction.
+    return int(positions[0]) if len(positions) == 1 else int(positions.max())
+
+
+def _bottom(positions: np.ndarray) -> int:
+    return int(positions[0]) if len(positions) == 1 else int(positions.min())
+
+
+def _addr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _tiles(t: np.ndarray, recs: list[RingRecord]) -> bool:
+    """Every slice was read into its own columns of `t` (target()), and they cover all of it."""
+    base = _addr(t)
+    step = t.dtype.itemsize
+    return all(x.data is not None and x.data.shape[0] == t.shape[0] and x.data.strides == t.strides
+               and x.data.dtype == t.dtype and _addr(x.data) == base + x.slice_start * step for x in recs)
 
 
 def _holding(req: _Request) -> bool:

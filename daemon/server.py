@@ -21,6 +21,17 @@ What the daemon survives, and how (docs/operate.md says the same for operators):
   are indexed by name and dropped when their peer goes.
 - Memory: what captures in flight hold (reassembly and histories) is kept inside `inflight_bytes`;
   beyond it the biggest capture is cut, its remaining positions becoming gaps with a reason.
+
+Delivery (daemon/arena.py): payloads are read from the rings straight into the delivery arena, a
+shared-memory file of the daemon's own (one copy; tensor-parallel slices into their columns).
+Subscribers and watchers that offered to map it (same host: ipc://) get descriptors; the others
+get the same arrays as frames. Regions go back when the daemon drops what references them. A
+descriptor handed to zmq is not yet copied by its subscriber (up to two socket queues of them
+may be on the way), so a capture whose last message went to an arena subscriber stays pinned for
+`arena_linger_s` more (retention may have dropped it meanwhile), or until that peer is gone, and
+pins never hold more than half of arena_bytes in all (oldest let go first). A subscriber still slower
+than that finds the generation of a reused region moved: a Gap, never other bytes. A dead
+subscriber's pins go with its connection (the liveness probe notices within a second).
 """
 
 from __future__ import annotations
@@ -43,7 +54,9 @@ import zmq
 from vllm_tap import ring_format as rf
 from vllm_tap import wire_format as wf
 from vllm_tap.ring import RingBroken, RingFormatError, RingReader
+from vllm_tap.ring_schema import tensor_id
 
+from vllm_tap.daemon.arena import Arena
 from vllm_tap.safe_paths import UnsafePath
 
 from vllm_tap.daemon.access import RingAccess, narrow_socket, prepare_socket_dir, socket_gid, socket_path
@@ -53,7 +66,7 @@ from vllm_tap.daemon.curve import CurveServer
 from vllm_tap.daemon.discovery import Candidate, RingDirectory
 from vllm_tap.daemon.messages import Frames, encode
 from vllm_tap.daemon.peers import Peers
-from vllm_tap.daemon.reassembly import OVER_BUDGET, RING_BROKEN, Begin, Event, Reassembler
+from vllm_tap.daemon.reassembly import OVER_BUDGET, RING_BROKEN, Begin, Event, Reassembler, Tokens
 from vllm_tap.daemon.sequence import SequenceCounter
 from vllm_tap.daemon.store import Entry, LookupFailed, Store
 from vllm_tap.daemon.watch import WatchHub
@@ -160,6 +173,7 @@ class _Sub:
     entry: Entry | None = None
     index: int = 0  # next history index to send
     live_from: int = 0  # history length when attached: later messages are live (count for lag, latency)
+    arena: Arena | None = None  # the subscriber maps it: descriptors instead of payload frames
     frames: Frames | None = None  # the encoded message at `index`, kept across a refused send
     final: Frames | None = None  # an error to send, after which the subscription ends
     final_deadline: float = 0.0
@@ -176,6 +190,8 @@ class _Counters:
     payload_bytes_in: int = 0
     delivered_messages: int = 0
     delivered_bytes: int = 0
+    arena_messages: int = 0  # tokens messages sent as arena descriptors (their payload bytes below)
+    arena_bytes: int = 0
     subscribers_total: int = 0
     subscribers_too_slow: int = 0
     subscriptions_refused: int = 0
@@ -236,6 +252,12 @@ class Daemon:
         self._fd_events = select.poll()
         self._fd_due = False
         self._doorbell: Doorbell | None = None  # writers wake us through it; bound once shm_dir exists
+        self.arena: Arena | None = None  # delivered arrays; created once shm_dir exists (arena_bytes > 0)
+        # Captures fully handed to an arena subscriber's socket, kept until it had time to copy them:
+        # routing id -> [(deadline, entry)], plus the bytes they hold (see the module docstring).
+        self._pins: dict[bytes, list[tuple[float, Entry]]] = {}
+        self._pinned_bytes = 0
+        self._arena_tried = False
         self.nofile = 0
         self._refusal_logs = LOG_FIRST
         self._closed_ring_counts = (0, 0)  # rejected, corrupt of rings no longer read
@@ -419,15 +441,42 @@ class Daemon:
 
     # -- rings --
 
+    def _open_arena(self) -> None:
+        self._arena_tried = True
+        try:
+            self.arena = Arena.create(self.config.shm_dir, self.config.arena_bytes)
+        except OSError as e:
+            log.warning("no delivery arena in %s (%s): every subscriber gets payloads as frames", self.config.shm_dir, e)
+            return
+        self.watch.arena = self.arena
+        self.watch.pin = self._pin
+        for r in self._reasm.values():
+            r.alloc = self.arena.alloc
+
     def _reassembler(self, instance: str) -> Reassembler:
         r = self._reasm.get(instance)
         if r is None:
-            r = self._reasm[instance] = Reassembler(instance, end_grace_s=self.config.end_grace_s)
+            r = self._reasm[instance] = Reassembler(instance, end_grace_s=self.config.end_grace_s,
+                                                    alloc=self.arena.alloc if self.arena is not None else None)
         return r
+
+    def _sink(self, instance: str) -> Any:
+        """Where a ring's DATA payloads go: the places reassembly picks in the arena."""
+        reasm = self._reassembler(instance)
+
+        def sink(plan: Any, i: int) -> Any:
+            h = plan.h
+            return reasm.target(plan.request_id(i), h.step, tensor_id(h.tensor, h.layer), h.slice_start, h.slice_stop, h.full_dim,
+                                plan.part_rows(i), plan.dtype)
+
+        return sink
 
     def _discover(self, now: float) -> None:
         if self._doorbell is None:
             self._doorbell = Doorbell.bind(self.config.shm_dir)
+        if self.arena is None and not self._arena_tried and self.config.arena_bytes > 0 and \
+                os.path.isdir(self.config.shm_dir):
+            self._open_arena()
         for c in self._dir.step(now, DISCOVERY_WALK, DISCOVERY_OPENS):
             self._open(c, now)
         if self._dir.changed:
@@ -464,6 +513,7 @@ class Daemon:
                 log.warning("ignoring %s: %s%s", path, e, "" if self._refusal_logs else
                             " (further refused files are only counted: `vllm-tap status`)")
             return
+        reader.sink = self._sink(c.instance)
         ring = self._rings[c.key] = _Ring(reader, c.instance, c.dir_fd, checked=now)
         if reader.resumed:
             self._reassembler(c.instance).resumed_ring(reader.name)
@@ -778,7 +828,40 @@ class Daemon:
                     del self._by_key[sub.entry.key]
             sub.entry = None
 
+    def _pin(self, routing_id: bytes, entry: Entry) -> None:
+        if self.config.arena_linger_s <= 0:
+            return
+        self._pins.setdefault(routing_id, []).append((time.monotonic() + self.config.arena_linger_s, entry))
+        self._pinned_bytes += entry.nbytes
+        cap = self.config.arena_bytes // 2
+        if self._pinned_bytes > cap:
+            self._unpin(lambda deadline: True, self._pinned_bytes - cap)
+
+    def _unpin(self, drop: Callable[[float], bool], at_least: int = 1 << 62, peers: Any = None) -> None:
+        """Let go of the pins `drop(deadline)` picks, oldest first until at_least bytes went, of `peers` or all."""
+        items = sorted(((pin[0], k, rid, pin) for rid in (peers if peers is not None else list(self._pins))
+                        for k, pin in enumerate(self._pins.get(rid, ()))), key=lambda x: x[:2])
+        freed = 0
+        gone: set[int] = set()
+        for deadline, _, rid, pin in items:
+            if freed >= at_least:
+                break
+            if drop(deadline):
+                gone.add(id(pin))
+                freed += pin[1].nbytes
+        if not gone:
+            return
+        for rid in {x[2] for x in items}:
+            kept = [pin for pin in self._pins.get(rid, ()) if id(pin) not in gone]
+            if kept:
+                self._pins[rid] = kept
+            else:
+                self._pins.pop(rid, None)
+        self._pinned_bytes -= freed
+
     def _peer_gone(self, routing_id: bytes) -> None:
+        if routing_id in self._pins:
+            self._unpin(lambda deadline: True, peers=[routing_id])
         subs = self._by_conn.get(routing_id, ())
         self.counters.subscriptions_dropped_peer_gone += len(subs)
         for sub in list(subs):
@@ -789,6 +872,17 @@ class Daemon:
         sends that would notice): a one-frame ping each, which clients ignore."""
         assert self._sock is not None
         ping = wf.pack(wf.PING, None)
+        if self._pins:
+            now = time.monotonic()
+            self._unpin(lambda deadline: deadline <= now)
+        for rid in [r for r in self._pins if r not in self._by_conn]:  # pins of peers with nothing else here
+            try:
+                self._sock.send_multipart([rid, ping], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            except zmq.ZMQError as e:
+                if e.errno == errno.EHOSTUNREACH:
+                    self._peer_gone(rid)
         for rid, subs in list(self._by_conn.items()):
             sub = next(iter(subs), None)
             if sub is None or len(sub.envelope) != 1:
@@ -829,11 +923,13 @@ class Daemon:
             if e is None or sub.index >= len(e.history):
                 self._active.discard(sub)
                 if e is not None and e.end is not None:
+                    if sub.arena is not None:
+                        self._pin(sub.envelope[0], e)
                     self._remove(sub)  # everything up to the End went out
                 return sent > 0
             ev = e.history[sub.index]
             if sub.frames is None:
-                sub.frames = encode(ev, e, sub.req.id, sub.req.from_position)
+                sub.frames = encode(ev, e, sub.req.id, sub.req.from_position, sub.arena)
                 if sub.frames is None:  # before from_position
                     sub.index += 1
                     continue
@@ -848,6 +944,9 @@ class Daemon:
                 if len(e.history) - max(sub.index, sub.live_from) > self.config.subscriber_queue:
                     self._too_slow(sub)
                 return sent > 0
+            if sub.arena is not None and isinstance(ev, Tokens) and len(sub.frames) == 1:
+                self.counters.arena_messages += 1
+                self.counters.arena_bytes += ev.nbytes
             if sub.index >= sub.live_from:
                 self._latency.observe(time.monotonic() - ev.at)
             sub.index += 1
@@ -914,7 +1013,7 @@ class Daemon:
                         self._reply(envelope, wf.error_frames(wf.E_LIMIT, why, req.id))
                         continue
                     self.counters.subscribers_total += 1
-                sub = _Sub(envelope, req, deadline=now + req.timeout)
+                sub = _Sub(envelope, req, deadline=now + req.timeout, arena=self.arena if req.arena else None)
                 self._add(sub)
                 self._resolve(sub, now)
         return got
@@ -948,6 +1047,8 @@ class Daemon:
         if self._doorbell is not None:
             self._doorbell.close()
             self._doorbell = None
+        if self.arena is not None:
+            self.arena.close()
 
     # -- status --
 
@@ -993,6 +1094,9 @@ class Daemon:
             # Writers wake the daemon through it; null: it polls the rings on a timer.
             "doorbell": self._doorbell.path if self._doorbell is not None else None,
             "doorbell_wakeups": c.doorbell_wakeups,
+            # Shared memory the delivered arrays live in (null: off, or shm_dir not there yet).
+            "arena": dict(self.arena.snapshot(), pinned_bytes=self._pinned_bytes,
+                          pinned_captures=sum(len(v) for v in self._pins.values())) if self.arena is not None else None,
             "discovery": "inotify" if self._dir.watching else "scan",
             "rings": rings,
             "rings_refused": c.rings_refused,
@@ -1029,6 +1133,9 @@ class Daemon:
                             "accept_paused": bool(p and p.paused), "descriptor_limit": self.nofile},
             "delivered_messages": c.delivered_messages,
             "delivered_bytes": c.delivered_bytes,
+            # Of those, through the arena (descriptors; watchers included): messages, payload bytes described.
+            "arena_messages": c.arena_messages + self.watch.arena_messages,
+            "arena_bytes": c.arena_bytes + self.watch.arena_bytes,
             "bad_requests": c.bad_requests,
             "delivery_latency_s": self._latency.to_dict(),
             # watch: "sequence" (numbers given, retained range, state file) and "watchers"

@@ -51,8 +51,8 @@ from typing import Any, Callable
 
 from vllm_tap import wire_format as wf
 
-from vllm_tap.daemon.messages import Frames, encode
-from vllm_tap.daemon.reassembly import Begin, End, Event
+from vllm_tap.daemon.messages import Frames, arena_advert, encode
+from vllm_tap.daemon.reassembly import Begin, End, Event, Tokens
 from vllm_tap.daemon.sequence import SequenceCounter
 from vllm_tap.daemon.store import Entry
 
@@ -119,6 +119,7 @@ class Watcher:
     dirty: dict[int, None] = field(default_factory=dict)  # streamed: open captures with events to send
     waiting_for: int | None = None  # whole mode: the running capture it is sending, which holds later ones back
     control: collections.deque = field(default_factory=collections.deque)  # watching / watermark
+    arena: Any = None  # the daemon's arena, when the watcher maps it: descriptors instead of payloads
     pending: Frames | None = None  # taken by neither socket nor peer yet: sent first
     final: Frames | None = None
     final_deadline: float = 0.0
@@ -164,6 +165,10 @@ class WatchHub:
         self._gone_keys: list[int] = []  # sorted
         self._drops = 0
         self._watchers: dict[tuple[bytes, int], Watcher] = {}
+        self.arena: Any = None  # the daemon's delivery arena (daemon/arena.py), once it has one
+        self.pin: Callable[[bytes, Entry], None] | None = None  # keep a capture sent whole through the arena a while
+        self.arena_messages = 0  # tokens messages sent as descriptors, and the payload bytes they name
+        self.arena_bytes = 0
         self._active: set[Watcher] = set()
         self.watchers_total = 0
         self.rejected = 0
@@ -265,12 +270,12 @@ class WatchHub:
             return wf.error_frames(wf.E_LIMIT, f"the daemon serves {MAX_WATCHERS} watches already", req.id)
         since = last if req.since is None else req.since
         w = Watcher(envelope, req, since, since + 1, now, self._drops, self.next_seq, last_send=now, announced=since,
-                    wm_at=now)
+                    wm_at=now, arena=self.arena if req.arena else None)
         self._watchers[key] = w
         self.watchers_total += 1
         oldest = self._next_present(0)
         w.control.append([wf.pack(wf.WATCHING, req.id, since=since, oldest=oldest, next=self.next_seq,
-                                  run_first=self.run_first)])
+                                  run_first=self.run_first, arena=arena_advert(w.arena))])
         self._active.add(w)
         log.info("watch %s/%d from seq %d (%s%s)", envelope[0].hex(), req.id, since + 1,
                  "whole" if req.whole else "streamed", "".join(f", {k}={v!r}" for k, v in req.filters().items()))
@@ -355,7 +360,7 @@ class WatchHub:
                     if o.index < len(h):
                         ev = h[o.index]
                         o.index += 1
-                        frames = encode(ev, o.entry, w.req.id)
+                        frames = self._encode(ev, o.entry, w)
                         if isinstance(ev, End):
                             w.current = None
                             w.delivered += 1
@@ -381,12 +386,23 @@ class WatchHub:
                         del w.open[seq], w.dirty[seq]
                         w.delivered += 1
                         self.delivered_total += 1
-                    return encode(ev, o.entry, w.req.id)
+                    return self._encode(ev, o.entry, w)
                 del w.dirty[seq]
                 continue
             frames = self._advance(w)
             if frames is not False:
                 return frames  # type: ignore[return-value]
+
+    def _encode(self, ev: Event, entry: Entry, w: Watcher) -> Frames:
+        frames = encode(ev, entry, w.req.id, arena=w.arena)
+        assert frames is not None
+        if w.arena is not None:
+            if isinstance(ev, Tokens) and len(frames) == 1:
+                self.arena_messages += 1
+                self.arena_bytes += ev.nbytes
+            elif isinstance(ev, End) and self.pin is not None:
+                self.pin(w.envelope[0], entry)  # its descriptors are on their way, not yet copied
+        return frames
 
     def _advance(self, w: Watcher) -> Frames | None | bool:
         """Consider the capture at the cursor: a message, None to wait, False to look again."""

@@ -269,6 +269,11 @@ def _status_text(s: dict[str, Any]) -> str:
             f"{s['subscriptions_refused']}",
         ]
         lines += [f"broken: {b['path']}: {b['why']}" for b in s.get("broken_rings", [])]
+    a = s.get("arena")
+    if a:
+        lines.append(f"arena: {a['path']}  {_mib(a['allocated_bytes'])} of {_mib(a['capacity'])} in {a['regions']} "
+                     f"regions (peak {_mib(a['peak_bytes'])}), {a['fallbacks']} fallbacks to frames, "
+                     f"{s.get('arena_messages', 0)} messages as descriptors")
     lines += _watch_status_lines(s)
     return "\n".join(lines)
 

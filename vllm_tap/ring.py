@@ -661,6 +661,7 @@ _KEEP_REJECTIONS = 4096
 _WINDOW = 256 << 10  # bytes read at once among records that are not large
 _PREFIX = 4096  # bytes read at once after a large record (header, table and rows of the next)
 _DIRECT = 64 << 10  # DATA records at least this large have their payload read straight into its arrays
+_IOV_MAX = 1024  # pieces per preadv (the kernel's UIO_MAXIOV)
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
 
 
@@ -737,6 +738,8 @@ class RingReader:
         self.rejections: collections.deque = collections.deque(maxlen=_KEEP_REJECTIONS)
         self._scratch = np.empty(0, np.uint8)
         self._table_cache = ring_schema.TableCache()
+        # Where DATA payloads go (the daemon's delivery arena, placed by reassembly): see ring_schema.Sink.
+        self.sink: ring_schema.Sink | None = None
         self._stamped = 0
         self._logged = 0
         self._unlogged = 0
@@ -901,13 +904,13 @@ class RingReader:
                     out.extend(self._read_direct(at, h, win[o:win_hi - win_lo]))
                 elif r + total <= win_hi:
                     out.extend(ring_schema.decode_record(win[o : o + total], ring=self.name, epoch=self.epoch,
-                                                         table_cache=self._table_cache))
+                                                         table_cache=self._table_cache, sink=self.sink))
                 else:  # larger than what is left of the window: read it whole
                     win = self._scratch_of(total)
                     self._pread_into(win, rf.HEADER_SIZE + at)
                     win_lo, win_hi = r, r + total
                     out.extend(ring_schema.decode_record(win, ring=self.name, epoch=self.epoch,
-                                                         table_cache=self._table_cache))
+                                                         table_cache=self._table_cache, sink=self.sink))
             except ring_schema.Rejected as e:
                 self._reject(r, e, len(out))
             r += total
@@ -931,15 +934,30 @@ class RingReader:
             return []
         off = rf.HEADER_SIZE + at + plan.payload_offset
         if plan.contiguous:
-            parts = [np.empty(shape, plan.dtype) for shape in plan.part_shapes()]
+            # Each request's rows straight into their final place: a private array, or the sink's
+            # (an arena region, or this rank's columns of one when tensor parallelism slices it).
+            parts = []
+            iov: list[memoryview] = []
+            sink = self.sink
+            for i, shape in enumerate(plan.part_shapes()):
+                p = sink(plan, i) if sink is not None else None
+                if p is None:
+                    p = np.empty(shape, plan.dtype)
+                parts.append(p)
+                if p.flags.c_contiguous:
+                    iov.append(memoryview(p).cast("B"))
+                else:  # a column slice: one piece per row
+                    iov.extend(memoryview(row).cast("B") for row in p)
             n = plan.payload_nbytes
-            got = os.preadv(self._fd, [memoryview(p).cast("B") for p in parts], off) if n else 0
+            got = 0
+            for k in range(0, len(iov), _IOV_MAX):
+                got += os.preadv(self._fd, iov[k : k + _IOV_MAX], off + got) if n else 0
             if got != n:
                 raise self._short(got, n, off)
             return plan.records(parts=parts)
         payload = np.empty(plan.payload_nbytes, np.uint8)
         self._pread_into(payload, off)
-        return plan.records(payload=payload.view(plan.dtype).reshape(h.n_rows, plan.width))
+        return plan.records(payload=payload.view(plan.dtype).reshape(h.n_rows, plan.width), sink=self.sink)
 
     def _reject(self, r: int, e: "ring_schema.Rejected", index: int) -> None:
         self.rejected += 1

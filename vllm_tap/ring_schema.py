@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
+from typing import TYPE_CHECKING, Annotated, Any, Callable, NamedTuple
 
 import msgspec
 import numpy as np
@@ -216,13 +216,17 @@ def _tensor_id(kind: int, layer: int) -> TensorId:
     return tid
 
 
+tensor_id = _tensor_id  # the TensorId of a header's (tensor, layer)
+
+
 # -- records --
 
 
 def decode_record(rec: memoryview | bytes | np.ndarray, *, ring: str = "", epoch: int = 0,
-                  table_cache: "TableCache | None" = None) -> list[RingRecord]:
+                  table_cache: "TableCache | None" = None, sink: "Sink | None" = None) -> list[RingRecord]:
     """One whole record (its total_len bytes) -> one RingRecord per control record, or one per
-    request with rows in a DATA record (arrays are private copies). Raises Rejected."""
+    request with rows in a DATA record (arrays are private copies, in `sink`'s arrays where it
+    gives one). Raises Rejected."""
     mv = memoryview(rec).cast("B") if not isinstance(rec, np.ndarray) else memoryview(rec)
     total = len(mv)
     if total < rf.RECORD_HEADER_SIZE:
@@ -231,7 +235,7 @@ def decode_record(rec: memoryview | bytes | np.ndarray, *, ring: str = "", epoch
     if h.total != total:
         raise Rejected(f"record length {h.total} does not match the {total} bytes given")
     if h.kind == rf.RecordKind.DATA:
-        return _decode_data(mv, h, ring, epoch, table_cache)
+        return _decode_data(mv, h, ring, epoch, table_cache, sink)
     if h.kind in _CONTROL_KINDS:
         return [_decode_control(mv, h, ring, epoch)]
     raise Rejected(f"unknown record kind {h.kind}")
@@ -374,6 +378,12 @@ def _table(mv: memoryview, meta_off: int, h: Header, cache: TableCache | None) -
     return entries
 
 
+# Where a DATA record's rows of one request go (the daemon's delivery arena, placed by reassembly):
+# sink(plan, i) -> an array of plan.part_shapes()[i] (C-contiguous rows, possibly a column slice of
+# a wider array) to fill, or None for a private one.
+Sink = Callable[["DataPlan", int], "np.ndarray | None"]
+
+
 @dataclass
 class DataPlan:
     """A DATA record whose header, request table and row arrays were checked: what is left is to
@@ -404,8 +414,20 @@ class DataPlan:
         n = self.h.n_rows
         return [(n if rows is None else rows.stop - rows.start, self.width) for _, rows in self.groups]
 
-    def records(self, payload: np.ndarray | None = None, parts: list[np.ndarray] | None = None) -> list[RingRecord]:
-        """payload: all rows [n, width] (copied out per request); parts: one array per group, owned."""
+    def request_id(self, i: int) -> str:
+        return self.entries[self.groups[i][0]].request_id
+
+    def part_rows(self, i: int) -> int:
+        """Rows of group i, whatever form its rows take (all, a slice, or an index array)."""
+        rows = self.groups[i][1]
+        if rows is None:
+            return self.h.n_rows
+        return rows.stop - rows.start if isinstance(rows, slice) else len(rows)
+
+    def records(self, payload: np.ndarray | None = None, parts: list[np.ndarray] | None = None,
+                sink: Sink | None = None) -> list[RingRecord]:
+        """payload: all rows [n, width] (copied out per request, into `sink`'s array where it gives
+        one); parts: one array per group, owned."""
         h = self.h
         tid = _tensor_id(h.tensor, h.layer)
         out = []
@@ -417,13 +439,20 @@ class DataPlan:
                 take = lambda a, rows=rows: a[rows].copy()  # noqa: E731
             else:
                 take = lambda a, rows=rows: a[rows]  # noqa: E731 (fancy indexing copies)
+            data = parts[i] if parts is not None else None
+            if data is None and sink is not None:
+                data = sink(self, i)
+                if data is not None:
+                    data[...] = payload if rows is None else payload[rows]  # type: ignore[index]
+            if data is None:
+                data = take(payload)
             out.append(RingRecord(
                 kind=_DATA, request_id=e.request_id, tap_key=e.tap_key, step=h.step, rank=h.rank,
                 expected_ranks=e.expected_ranks, rank_parts=e.rank_parts, tensor=tid, dtype=h.dtype,
                 slice_start=h.slice_start, slice_stop=h.slice_stop, full_dim=h.full_dim,
                 num_prompt_tokens=e.num_prompt_tokens, start=e.start, tail=e.tail, source=e.source,
                 positions=take(self.positions), token_ids=take(self.token_ids),
-                data=parts[i] if parts is not None else take(payload), ring=self.ring, epoch=self.epoch,
+                data=data, ring=self.ring, epoch=self.epoch,
             ))
         return out
 
@@ -499,14 +528,15 @@ def plan_data(prefix: memoryview | bytes | np.ndarray, h: Header, *, ring: str =
                     h.slice_stop - h.slice_start, payload_off, ring, epoch)
 
 
-def _decode_data(mv: memoryview, h: Header, ring: str, epoch: int, cache: TableCache | None) -> list[RingRecord]:
+def _decode_data(mv: memoryview, h: Header, ring: str, epoch: int, cache: TableCache | None,
+                 sink: Sink | None = None) -> list[RingRecord]:
     plan = plan_data(mv, h, ring=ring, epoch=epoch, table_cache=cache)
     if plan is None:
         return []
     base = np.frombuffer(mv, np.uint8)
     off = plan.payload_offset
     payload = base[off : off + plan.payload_nbytes].view(plan.dtype).reshape(h.n_rows, plan.width)
-    return plan.records(payload=payload)
+    return plan.records(payload=payload, sink=sink)
 
 
 # -- building records in memory (tests, tools): the same decoder, so the same checks --

@@ -7,13 +7,14 @@ daemon's ROUTER socket from a DEALER socket. Every message carries the subscript
 client chose, so one socket may carry several subscriptions.
 
 Client -> daemon:
-  subscribe {id, name, index?, instance?, from_position?, timeout}
-  watch     {id, since?, whole, instance?, source?, tap_key_prefix?, model?}    (see "watch" below)
+  subscribe {id, name, index?, instance?, from_position?, timeout, arena?}
+  watch     {id, since?, whole, instance?, source?, tap_key_prefix?, model?, arena?}    (see "watch" below)
   status    {id}
   cancel    {id}                                    ends a subscription or a watch
 Daemon -> client:
   begin  {id, seq, request_id, instance, names, response_id, choice_index, num_prompt_tokens, source, ...}
   tokens {id, seq, request_id, start, count, token_ids (int32 bytes), num_prompt_tokens, tensors} + buffers
+         or, through the arena, tokens {..., arena: arena_id, tensors: arena descriptors} and no buffers
   gap    {id, seq, request_id, start, stop, reason}       positions [start, stop) are missing
   end    {id, seq, request_id, reason, missing [[start, stop], ...], complete, output_token_ids, source, ...}
          missing: expected positions not delivered, as sorted [start, stop) ranges, never as a list
@@ -24,6 +25,14 @@ Daemon -> client:
   watching  {id, since, oldest, next, run_first}          a watch was accepted (its first message)
   lost      {id, first, last, reason, detail}             captures first..last (inclusive) will not come
   watermark {id, seq}                                     every capture <= seq is handled for this watch
+
+Shared memory (the "arena", vllm_tap.arena_format). A client that can map files of the daemon's host
+(it connects over ipc://) says `arena: true` in its subscribe or watch. If the daemon has an arena,
+its first reply (begin, or watching) carries `arena: [path, arena_id]`, and tokens messages whose
+arrays lie in the arena then carry descriptors [name, dtype, rows, cols, block, gen, offset]
+instead of buffers; others (an array the arena had no room for) carry buffers as before. A client
+that cannot map that path cancels and asks again, under a new id, without `arena`. A client whose
+copy finds a region's generation moved delivers those positions as a Gap (client.arena.OVERWRITTEN).
 
 `seq` is the capture's sequence number (daemon/sequence.py): given when the capture begins,
 strictly increasing across daemon restarts; every message of a capture carries it.
@@ -43,7 +52,8 @@ import numpy as np
 from vllm_tap import ring_format as rf
 
 # 2: watch / watching / lost / watermark; capture messages carry "seq".
-WIRE_VERSION = 2
+# 3: tokens may carry arena descriptors instead of buffers (a v2 client would read them as frames).
+WIRE_VERSION = 3
 
 # Header keys every message has.
 K_VERSION = "v"
@@ -139,10 +149,11 @@ class Subscribe:
     instance: str | None = None  # engine instance, for request ids that repeat across instances
     from_position: int | None = None  # resume: positions below this are not sent again
     timeout: float = 30.0  # how long the daemon waits for the name to appear
+    arena: bool = False  # the client can map the daemon's arena: send descriptors, not buffers
 
     def frames(self) -> list[bytes]:
         return [pack(SUBSCRIBE, self.id, name=self.name, index=self.index, instance=self.instance,
-                     from_position=self.from_position, timeout=self.timeout)]
+                     from_position=self.from_position, timeout=self.timeout, arena=self.arena)]
 
 
 @dataclass(frozen=True)
@@ -198,7 +209,11 @@ def parse_request(frames: Sequence[bytes]) -> Request:
     timeout = h.get("timeout", 30.0)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= MAX_TIMEOUT_S:
         raise WireError(E_BAD_REQUEST, f"'timeout' must be seconds in 0..{MAX_TIMEOUT_S:g}, got {timeout!r}", sub_id)
-    return Subscribe(sid, name, _opt_int(h, "index", sub_id), instance, _opt_int(h, "from_position", sub_id), float(timeout))
+    arena = h.get("arena", False)
+    if not isinstance(arena, bool):
+        raise WireError(E_BAD_REQUEST, f"'arena' must be true or false, got {arena!r}", sub_id)
+    return Subscribe(sid, name, _opt_int(h, "index", sub_id), instance, _opt_int(h, "from_position", sub_id),
+                     float(timeout), arena)
 
 
 def error_frames(code: str, message: str, sub_id: int | None = None) -> list[bytes]:
@@ -218,6 +233,19 @@ def describe_tensors(tensors: dict[str, np.ndarray], dtypes: dict[str, int]) -> 
         descs.append([name, rf.DTYPE_NAMES[dtypes[name]], arr.shape[0], arr.shape[1]])  # type: ignore[index]
         bufs.append(arr)
     return descs, bufs
+
+
+def describe_arena(tensors: dict[str, np.ndarray], dtypes: dict[str, int], locate: Any) -> list[list] | None:
+    """Arena descriptors of every tensor (arena_format), or None when one of them is not in the arena
+    (`locate(array)` -> (block, gen, offset) | None)."""
+    descs: list[list] = []
+    for name, arr in tensors.items():
+        where = locate(arr)
+        if where is None or arr.ndim != 2:
+            return None
+        block, gen, offset = where
+        descs.append([name, rf.DTYPE_NAMES[dtypes[name]], arr.shape[0], arr.shape[1], block, gen, offset])  # type: ignore[index]
+    return descs
 
 
 def read_tensors(descs: Iterable[Sequence], frames: Sequence[Any]) -> dict[str, tuple[rf.DType, np.ndarray]]:
@@ -266,7 +294,7 @@ LOST_REASONS = (LOST_EVICTED, LOST_TOO_SLOW, LOST_RESTARTED, LOST_DROPPED)
 
 SOURCES = ("client", "policy")  # a capture's source: the request opted in, or the server's policy chose it
 WATCH_FILTERS = ("instance", "source", "tap_key_prefix", "model")
-_WATCH_KEYS = {K_VERSION, K_TYPE, K_ID, "since", "whole", *WATCH_FILTERS}
+_WATCH_KEYS = {K_VERSION, K_TYPE, K_ID, "since", "whole", "arena", *WATCH_FILTERS}
 MAX_SEQ = (1 << 63) - 1
 
 
@@ -282,10 +310,11 @@ class WatchRequest:
     source: str | None = None
     tap_key_prefix: str | None = None
     model: str | None = None
+    arena: bool = False  # the client can map the daemon's arena (see "Shared memory" above)
 
     def frames(self) -> list[bytes]:
         return [pack(WATCH, self.id, since=self.since, whole=self.whole, instance=self.instance, source=self.source,
-                     tap_key_prefix=self.tap_key_prefix, model=self.model)]
+                     tap_key_prefix=self.tap_key_prefix, model=self.model, arena=self.arena)]
 
     def filters(self) -> dict[str, str]:
         return {k: getattr(self, k) for k in WATCH_FILTERS if getattr(self, k) is not None}
@@ -301,6 +330,9 @@ def parse_watch(h: dict[str, Any], sub_id: int) -> WatchRequest:
     whole = h.get("whole", True)
     if not isinstance(whole, bool):
         raise WireError(E_BAD_FILTER, f"'whole' must be true or false, got {whole!r}", sub_id)
+    arena = h.get("arena", False)
+    if not isinstance(arena, bool):
+        raise WireError(E_BAD_FILTER, f"'arena' must be true or false, got {arena!r}", sub_id)
     vals: dict[str, str | None] = {}
     for key in WATCH_FILTERS:
         v = h.get(key)
@@ -312,4 +344,4 @@ def parse_watch(h: dict[str, Any], sub_id: int) -> WatchRequest:
     if vals["source"] is not None and vals["source"] not in SOURCES:
         raise WireError(E_BAD_FILTER, f"watch filter 'source' must be one of {', '.join(SOURCES)}, got {vals['source']!r}",
                         sub_id)
-    return WatchRequest(sub_id, since, whole, **vals)
+    return WatchRequest(sub_id, since, whole, **vals, arena=arena)

@@ -6,7 +6,15 @@ every capture by name through the daemon. The first 8 bytes of every record's pa
 time.time_ns() taken just before the record is committed, so a subscriber's latency is measured
 from commit to the moment it holds the array (same host, same clock).
 
-Per (record size, subscribers) and repeat, two phases:
+Two delivery paths run side by side, interleaved, against the same daemon (issue 17):
+- "frames": the payload goes to each subscriber as ZeroMQ frames (the path before the arena, and
+  the one tcp:// subscribers take): the subscriber sets VLLM_TAP_ARENA=0;
+- "arena": the subscriber maps the daemon's arena and gets descriptors; it copies each array once.
+The memcpy bandwidth of one core is measured in the same run (a 64 MiB numpy copy, before and after
+each round), so delivery is reported as a share of it. The daemon's CPU seconds per GB delivered
+come from /proc/<pid>/stat around each throughput trial.
+
+Per (record size, subscribers, path) and repeat, two phases:
 - latency: records paced (one per `pace`, well below saturation), p50/p99 of commit -> array;
 - throughput: records written as fast as the ring lets the writer (it waits for room, never
   drops); GB/s per subscriber from the first commit to the last record received.
@@ -42,7 +50,13 @@ INSTANCE = "bench"
 KiB, MiB = 1 << 10, 1 << 20
 P99_TARGET_MS = 1.0
 P99_TARGET_UP_TO = 1 * MiB
-GBPS_TARGET = 1.0
+GBPS_TARGET = 1.0  # the frames path's target before the arena (issue 8), kept for comparison
+# Issue 17, for the arena path, as shares of one core's memcpy bandwidth measured in the same run:
+SHARE_1_TARGET = 0.5  # one subscriber, records >= SHARE_FROM
+SHARE_ALL_TARGET = 0.75  # all subscribers together (4), records >= SHARE_FROM
+SHARE_FROM = 256 * KiB
+CPU_RATIO_TARGET = 0.5  # the daemon's CPU s/GB on the arena path against the frames path
+PATHS = ("frames", "arena")
 
 
 def size_label(n: int) -> str:
@@ -51,8 +65,10 @@ def size_label(n: int) -> str:
 
 @dataclass
 class TransportParams:
-    sizes: list[int] = field(default_factory=lambda: [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB])
+    sizes: list[int] = field(default_factory=lambda: [4 * KiB, 64 * KiB, 256 * KiB, 1 * MiB])
     subscribers: list[int] = field(default_factory=lambda: [1, 4])
+    paths: list[str] = field(default_factory=lambda: list(PATHS))
+    memcpy_bytes: int = 64 * MiB
     repeats: int = 3
     latency_records: int = 300
     min_pace_s: float = 0.002  # at least this long between paced records ...
@@ -69,7 +85,8 @@ class TransportParams:
     retain_bytes: int = 256 * MiB
     # Daemon poll intervals compared (its --poll-interval: how long it sleeps when every ring is
     # empty): the default, and a low-latency setting that spends more CPU polling.
-    poll_intervals: list[float] = field(default_factory=lambda: [0.0005, 0.0001])
+    # (With the doorbell the poll interval matters little; the paths are what is compared now.)
+    poll_intervals: list[float] = field(default_factory=lambda: [0.0005])
     trickle_records: int = 200  # at 100/s: the daemon's CPU cost of polling while a capture streams
     # watch: (records per capture, record bytes) shapes; captures per trial from a byte budget
     watch_shapes: list[tuple[int, int]] = field(default_factory=lambda: [(4, 4 * KiB), (4, 256 * KiB)])
@@ -81,8 +98,8 @@ class TransportParams:
     def quick(cls) -> "TransportParams":
         return cls(sizes=[4 * KiB, 256 * KiB, 1 * MiB], subscribers=[1, 4], repeats=1, latency_records=60,
                    throughput_bytes=16 * MiB, min_records=32, max_records=2000, ring_bytes=64 * MiB,
-                   retain_bytes=32 * MiB, trickle_records=50, watch_bytes=16 * MiB, watch_min_captures=16,
-                   watch_max_captures=300)
+                   retain_bytes=32 * MiB, trickle_records=50, watch_bytes=8 * MiB, watch_min_captures=16,
+                   watch_max_captures=300, watch_shapes=[(4, 256 * KiB)], memcpy_bytes=16 * MiB)
 
     def pace(self, size: int) -> float:
         return max(self.min_pace_s, size / self.pace_bandwidth)
@@ -119,7 +136,10 @@ def _writer_main(shm: str, ring_bytes: int, cmds: Any, results: Any) -> None:
             name, size, n, pace = cmd
             width = size // 4
             src = np.random.default_rng(0).standard_normal(width, dtype=np.float32).view(np.uint8)
-            eng.write_control(rf.RecordKind.BEGIN, name, {"spec": spec, "num_prompt_tokens": 1, "n": 1})
+            # A writer without a scheduler never computes past an end: it says so, and the daemon
+            # delivers each record at once instead of holding the newest back (reassembly.HOLD_NEWEST).
+            eng.write_control(rf.RecordKind.BEGIN, name, {"spec": spec, "num_prompt_tokens": 1, "n": 1,
+                                                          "async_scheduling": False})
             dropped = 0
             first = last = 0
             cpu0 = time.process_time()
@@ -162,7 +182,8 @@ def _write_many(eng: Any, w: Any, logits: Any, spec: dict, prefix: str, n_caps: 
     cpu0 = time.process_time()
     for c in range(n_caps):
         name = f"{prefix}-{c}"
-        eng.write_control(rf.RecordKind.BEGIN, name, {"spec": spec, "num_prompt_tokens": 1, "n": 1, "model": "bench"})
+        eng.write_control(rf.RecordKind.BEGIN, name, {"spec": spec, "num_prompt_tokens": 1, "n": 1, "model": "bench",
+                                                      "async_scheduling": False})
         for k in range(records):
             res = w.reserve(name, logits, [k], [k], dtype=rf.DType.FLOAT32, width=width, step=k + 1,
                             num_prompt_tokens=1)
@@ -233,6 +254,8 @@ def _subscriber_main(index: int, endpoint: str, cmds: Any, results: Any) -> None
         if isinstance(name, tuple):
             results.put(("done", index, _consume_many(client, name)))
             continue
+        name, path = name.split("|", 1) if "|" in name else (name, "arena")
+        os.environ["VLLM_TAP_ARENA"] = "1" if path == "arena" else "0"  # read at each subscribe
         lat: list[int] = []
         got = nbytes = gaps = 0
         first = last = 0
@@ -302,10 +325,12 @@ def _wait_waiting(endpoint: str, n: int, timeout: float = 30.0) -> None:
         time.sleep(0.005)
 
 
-def _trial(procs: _Procs, endpoint: str, name: str, size: int, n: int, pace: float, nsub: int) -> dict[str, Any]:
+def _trial(procs: _Procs, endpoint: str, name: str, size: int, n: int, pace: float, nsub: int,
+           path: str = "arena", daemon_pid: int | None = None) -> dict[str, Any]:
     for i in range(nsub):
-        procs.sub_cmds[i].put(name)
+        procs.sub_cmds[i].put(f"{name}|{path}")
     _wait_waiting(endpoint, nsub)
+    cpu0 = proc_cpu_seconds(daemon_pid) if daemon_pid else 0.0
     procs.writer_cmds.put((name, size, n, pace))
     timeout = 60 + n * max(pace, 0.001) * 2
     kind, wres = _get(procs.writer_results, timeout, "writer result")
@@ -313,15 +338,18 @@ def _trial(procs: _Procs, endpoint: str, name: str, size: int, n: int, pace: flo
     for _ in range(nsub):
         kind, _i, sres = _get(procs.sub_results, timeout, "subscriber result")
         subs.append(sres)
-    return {"writer": wres, "subs": subs}
+    daemon_cpu = proc_cpu_seconds(daemon_pid) - cpu0 if daemon_pid else float("nan")
+    return {"writer": wres, "subs": subs, "daemon_cpu_s": daemon_cpu}
 
 
-def _summarise(kind: str, size: int, n: int, nsub: int, repeat: int, raw: dict[str, Any]) -> dict[str, Any]:
+def _summarise(kind: str, size: int, n: int, nsub: int, repeat: int, raw: dict[str, Any],
+               path: str = "arena") -> dict[str, Any]:
     w, subs = raw["writer"], raw["subs"]
     lat_ms = [x / 1e6 for s in subs for x in s["latencies_ns"]]
     complete = all(s["records"] == n and s["missing"] == 0 and not s["error"] for s in subs) and w["dropped"] == 0
     out: dict[str, Any] = {
-        "phase": kind, "size": size, "subscribers": nsub, "repeat": repeat, "records": n, "complete": complete,
+        "phase": kind, "path": path, "size": size, "subscribers": nsub, "repeat": repeat, "records": n,
+        "complete": complete,
         "errors": [s["error"] for s in subs if s["error"]], "writer_dropped": w["dropped"],
         "received": [s["records"] for s in subs],
     }
@@ -333,9 +361,12 @@ def _summarise(kind: str, size: int, n: int, nsub: int, repeat: int, raw: dict[s
         for s in subs:
             dt = (s["last_ns"] - w["first_commit_ns"]) / 1e9
             per_sub.append(s["bytes"] / dt / 1e9 if dt > 0 else float("nan"))
+        delivered = sum(s["bytes"] for s in subs)
+        dcpu = raw.get("daemon_cpu_s", float("nan"))
         out.update(gbps_per_sub=median(per_sub), gbps_min_sub=min(per_sub, default=float("nan")),
                    gbps_total=sum(per_sub), writer_cpu_s=w["writer_cpu_s"],
-                   sub_cpu_s=[s["cpu_s"] for s in subs],
+                   sub_cpu_s=[s["cpu_s"] for s in subs], daemon_cpu_s=dcpu,
+                   daemon_cpu_s_per_gb=dcpu / (delivered / 1e9) if delivered else float("nan"),
                    p50_ms=percentile(lat_ms, 50), p99_ms=percentile(lat_ms, 99))
     return out
 
@@ -351,6 +382,20 @@ def sched_probe(n: int = 400, sleep_s: float = 0.0005) -> dict[str, float]:
         over.append((time.perf_counter() - t - sleep_s) * 1e3)
     return {"sleep_ms": sleep_s * 1e3, "oversleep_p50_ms": percentile(over, 50), "oversleep_p99_ms": percentile(over, 99),
             "oversleep_max_ms": max(over), "cpu_per_sleep_us": (time.process_time() - cpu0) / n * 1e6}
+
+
+def memcpy_bandwidth(nbytes: int, reps: int = 7) -> float:
+    """One core's memcpy bandwidth, bytes/s: the median of `reps` numpy copies of nbytes (far beyond
+    the caches), destination pages already touched."""
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t)
+    return nbytes / median(times)
 
 
 def _round(params: TransportParams, poll_s: float, r: int, workdir: str | None, echo) -> dict[str, Any]:
@@ -385,27 +430,33 @@ def _round(params: TransportParams, poll_s: float, r: int, workdir: str | None, 
             _get(sr, 60, "subscriber start")
         time.sleep(0.6)  # the daemon rescans the shm directory every 0.25 s: let it open the rings
         probe = sched_probe()
+        memcpy = [memcpy_bandwidth(params.memcpy_bytes)]
+        echo(f"  transport r{r}: memcpy {memcpy[0] / 1e9:.2f} GB/s (one core)")
         # Warm-up: fill the daemon's retention once (see retain_bytes), reported as the cold rate.
         big = max(params.sizes)
         n_warm = max(params.min_records, (retain + 64 * MiB) // big)
         warm = _summarise("throughput", big, n_warm, 1, r, _trial(procs, endpoint, f"warmup-{r}", big, n_warm, 0.0, 1))
-        configs = [(size, nsub) for size in params.sizes for nsub in params.subscribers]
-        # Rotate the order each repeat so no configuration always runs first (or last).
+        configs = [(size, nsub, path) for size in params.sizes for nsub in params.subscribers for path in params.paths]
+        # Rotate the order each repeat so no configuration always runs first (or last); the paths
+        # of one (size, subscribers) run back to back, so their ratio is taken under the same load.
         order = configs[r % len(configs):] + configs[: r % len(configs)]
-        for size, nsub in order:
+        for size, nsub, path in order:
             for kind in ("latency", "throughput"):
                 n = params.latency_records if kind == "latency" else params.throughput_records(size)
                 pace = params.pace(size) if kind == "latency" else 0.0
-                raw = _trial(procs, endpoint, f"{kind}-{size}-{nsub}-{r}", size, n, pace, nsub)
-                t = _summarise(kind, size, n, nsub, r, raw)
+                raw = _trial(procs, endpoint, f"{kind}-{size}-{nsub}-{path}-{r}", size, n, pace, nsub, path,
+                             daemon.proc.pid)
+                t = _summarise(kind, size, n, nsub, r, raw, path)
                 t["poll_s"] = poll_s
                 trials.append(t)
                 if kind == "latency":
-                    echo(f"  transport r{r} {tag} {size_label(size):>6} x{nsub} latency p50 {t['p50_ms']:.3f} ms "
+                    echo(f"  transport r{r} {path:<6} {size_label(size):>6} x{nsub} latency p50 {t['p50_ms']:.3f} ms "
                          f"p99 {t['p99_ms']:.3f} ms{'' if t['complete'] else '  INCOMPLETE'}")
                 else:
-                    echo(f"  transport r{r} {tag} {size_label(size):>6} x{nsub} {t['gbps_per_sub']:.2f} GB/s per "
-                         f"subscriber{'' if t['complete'] else '  INCOMPLETE'}")
+                    echo(f"  transport r{r} {path:<6} {size_label(size):>6} x{nsub} {t['gbps_per_sub']:.2f} GB/s per "
+                         f"subscriber, {t['gbps_total']:.2f} in all, daemon {t['daemon_cpu_s_per_gb']:.2f} CPU s/GB"
+                         f"{'' if t['complete'] else '  INCOMPLETE ' + str(t['errors'])}")
+        memcpy.append(memcpy_bandwidth(params.memcpy_bytes))
         # What polling costs: the daemon's CPU while one capture trickles in (100 small records/s),
         # the state it is in whenever a server streams a capture.
         cpu0, t0 = proc_cpu_seconds(daemon.proc.pid), time.monotonic()
@@ -414,8 +465,10 @@ def _round(params: TransportParams, poll_s: float, r: int, workdir: str | None, 
         echo(f"  transport r{r} {tag}: warm-up {warm['gbps_per_sub']:.2f} GB/s into a fresh daemon; daemon CPU at "
              f"100 records/s {100 * trickle_cpu:.1f}% of a core; wake-up p99 {probe['oversleep_p99_ms']:.3f} ms")
         watch = _watch_trials(procs, endpoint, params, r, echo) if poll_s == params.poll_intervals[0] else []
+        for t in trials:
+            t["memcpy_gbps"] = median(memcpy) / 1e9
         return {"trials": trials, "warmup": warm, "sched_probe": probe, "trickle_cpu": trickle_cpu, "poll_s": poll_s,
-                "watch": watch}
+                "watch": watch, "memcpy_gbps": [m / 1e9 for m in memcpy]}
     finally:
         if procs is not None:
             procs.stop()
@@ -444,7 +497,10 @@ def run(params: TransportParams, workdir: str | None = None, echo=print) -> dict
             "cpu_per_sleep_us": median(rd["sched_probe"]["cpu_per_sleep_us"] for rd in rs),
         }
     watch = [t for rd in rounds for t in rd.get("watch", [])]
+    memcpy = [m for rd in rounds for m in rd["memcpy_gbps"]]
     return {"params": asdict(params), "trials": trials, "summary": summarise(trials, params), "per_poll": per_poll,
+            "memcpy_gbps": median(memcpy), "memcpy_gbps_range": spread(memcpy),
+            "path_summary": summarise_paths(trials, params),
             "watch_trials": watch, "watch_summary": summarise_watch(watch, params),
             "loadavg_start": load0, "loadavg_end": loadavg(), "seconds": time.time() - t_start}
 
@@ -454,20 +510,54 @@ def summarise(trials: list[dict[str, Any]], params: TransportParams) -> list[dic
     for poll_s in params.poll_intervals:
         for size in params.sizes:
             for nsub in params.subscribers:
-                sel = [t for t in trials if t["size"] == size and t["subscribers"] == nsub and t["poll_s"] == poll_s]
-                lat = [t for t in sel if t["phase"] == "latency"]
-                thr = [t for t in sel if t["phase"] == "throughput"]
-                p99 = median(t["p99_ms"] for t in lat)
-                gbps = median(t["gbps_per_sub"] for t in thr)
-                rows.append({
-                    "poll_s": poll_s, "size": size, "subscribers": nsub,
-                    "p50_ms": median(t["p50_ms"] for t in lat), "p99_ms": p99,
-                    "p99_ms_range": spread(t["p99_ms"] for t in lat),
-                    "gbps_per_sub": gbps, "gbps_range": spread(t["gbps_per_sub"] for t in thr),
-                    "gbps_total": median(t["gbps_total"] for t in thr),
-                    "complete": all(t["complete"] for t in lat + thr),
-                    "p99_target": (p99 <= P99_TARGET_MS) if size <= P99_TARGET_UP_TO else None,
-                })
+                for path in params.paths:
+                    sel = [t for t in trials if t["size"] == size and t["subscribers"] == nsub
+                           and t["poll_s"] == poll_s and t.get("path", "arena") == path]
+                    lat = [t for t in sel if t["phase"] == "latency"]
+                    thr = [t for t in sel if t["phase"] == "throughput"]
+                    p99 = median(t["p99_ms"] for t in lat)
+                    gbps = median(t["gbps_per_sub"] for t in thr)
+                    memcpy = median(t.get("memcpy_gbps", float("nan")) for t in thr)
+                    rows.append({
+                        "poll_s": poll_s, "path": path, "size": size, "subscribers": nsub,
+                        "p50_ms": median(t["p50_ms"] for t in lat), "p99_ms": p99,
+                        "p99_ms_range": spread(t["p99_ms"] for t in lat),
+                        "gbps_per_sub": gbps, "gbps_range": spread(t["gbps_per_sub"] for t in thr),
+                        "gbps_total": median(t["gbps_total"] for t in thr),
+                        "memcpy_gbps": memcpy,
+                        # Shares of memcpy from each trial's own round, then the median.
+                        "share_per_sub": median(t["gbps_per_sub"] / t["memcpy_gbps"] for t in thr if t.get("memcpy_gbps")),
+                        "share_total": median(t["gbps_total"] / t["memcpy_gbps"] for t in thr if t.get("memcpy_gbps")),
+                        "daemon_cpu_s_per_gb": median(t.get("daemon_cpu_s_per_gb", float("nan")) for t in thr),
+                        "complete": all(t["complete"] for t in lat + thr),
+                        "p99_target": (p99 <= P99_TARGET_MS) if size <= P99_TARGET_UP_TO else None,
+                    })
+    return rows
+
+
+def summarise_paths(trials: list[dict[str, Any]], params: TransportParams) -> list[dict[str, Any]]:
+    """Arena against frames per (size, subscribers): ratios within each repeat (same load), medians."""
+    if not {"arena", "frames"} <= set(params.paths):
+        return []
+    rows = []
+    for size in params.sizes:
+        for nsub in params.subscribers:
+            gb, cpu, p99 = [], [], []
+            for r in range(params.repeats):
+                def one(path: str, phase: str) -> dict[str, Any] | None:
+                    sel = [t for t in trials if (t["size"], t["subscribers"], t["repeat"], t.get("path"), t["phase"])
+                           == (size, nsub, r, path, phase)]
+                    return sel[0] if sel else None
+                a, f = one("arena", "throughput"), one("frames", "throughput")
+                if a and f and f["gbps_total"] > 0:
+                    gb.append(a["gbps_total"] / f["gbps_total"])
+                    cpu.append(a["daemon_cpu_s_per_gb"] / f["daemon_cpu_s_per_gb"])
+                la, lf = one("arena", "latency"), one("frames", "latency")
+                if la and lf and lf["p99_ms"] > 0:
+                    p99.append(la["p99_ms"] / lf["p99_ms"])
+            rows.append({"size": size, "subscribers": nsub, "gbps_ratio": median(gb), "cpu_per_gb_ratio": median(cpu),
+                         "p99_ratio": median(p99), "cpu_target": (median(cpu) <= CPU_RATIO_TARGET)
+                         if size >= SHARE_FROM else None})
     return rows
 
 

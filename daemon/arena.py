@@ -1,0 +1,340 @@
+"""The daemon's delivery arena: shared memory that holds the arrays it delivers (layout: vllm_tap.arena_format).
+
+Rules this module keeps:
+- One file per daemon run, `<shm_dir>/.arena-<arena_id>`, created O_EXCL | O_NOFOLLOW with mode
+  0640 (set again with fchmod, whatever the umask): the daemon's user writes it, its group may
+  map it read-only, nobody else can open it. Files of earlier runs whose daemon is dead are removed
+  at start; our own is removed at stop (clients that mapped it keep their mapping).
+- The daemon never faults on it: tmpfs pages are reserved with posix_fallocate, COMMIT_CHUNK at a
+  time, before a region in them is handed out. When /dev/shm is full, or the arena is, `alloc`
+  returns None and the caller keeps the array on its heap (delivered as frames): slower, never lost.
+- Regions are freed by the garbage collector: each region's arrays keep a small owner object
+  alive, whose finalizer returns the region and bumps its generation. So every holder in the
+  daemon (reassembly, the store's history, watch cursors, a frame zmq has not sent yet) pins what
+  it references, exactly as with heap arrays, and nothing a subscriber does can pin anything: a
+  subscriber that dies or stalls holds nothing up; it notices by the generation that a region it
+  was told about went away (see arena_format).
+- The allocator is a buddy heap over BLOCK-sized units: a request takes a block of BLOCK * 2**k
+  bytes at a multiple of its size and gives the tail it does not need straight back (as aligned
+  buddies), so a region wastes less than one BLOCK; freed buddies merge, so a change of record
+  sizes does not strand space.
+  Free lists are LIFO, so the regions reused first are the ones still in cache, and buddies are
+  merged only when a request finds no free region big enough.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import secrets
+import stat
+import time
+from typing import Any
+
+import numpy as np
+
+from vllm_tap import arena_format as af
+
+log = logging.getLogger(__name__)
+
+COMMIT_CHUNK = 16 << 20  # tmpfs reserved this much at a time, as the heap first reaches it
+MAX_TOP = 1 << 30  # the largest region; a bigger array stays on the heap
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def create_private_file(dir_fd: int, name: str, mode: int) -> int:
+    """A new regular file `name` under an opened directory, readable as `mode` allows and no more:
+    O_EXCL (never someone else's file or link), O_NOFOLLOW, then fchmod (the umask cannot widen or
+    narrow it unexpectedly). Returns the read-write descriptor."""
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    try:
+        os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        os.unlink(name, dir_fd=dir_fd)
+        raise
+    return fd
+
+
+class _Region:
+    """Base of the per-size ctypes array types whose instances own one region (see _region_type)."""
+
+
+_TYPES: dict[int, type] = {}
+
+
+def _region_type(nbytes: int) -> type:
+    t = _TYPES.get(nbytes)
+    if t is None:
+        def __del__(self: Any) -> None:
+            a = self._arena
+            if a is not None:
+                a._free(self._off, self._blocks)
+
+        t = _TYPES[nbytes] = type(f"_Region{nbytes}", (ctypes.c_char * nbytes, _Region), {"__del__": __del__})
+    return t
+
+
+def _owner(arr: np.ndarray) -> Any:
+    b = arr.base
+    while isinstance(b, np.ndarray):
+        b = b.base
+    return b
+
+
+class Arena:
+    """Create with Arena.create(directory, capacity); alloc(shape, dtype) hands out arrays in it."""
+
+    def __init__(self, path: str, dir_fd: int, name: str, fd: int, mm: mmap.mmap, arena_id: int, capacity: int,
+                 top_order: int):
+        self.path = path
+        self.arena_id = arena_id
+        self.capacity = capacity
+        self._dir_fd = dir_fd
+        self._name = name
+        self._fd = fd
+        self._mm = mm
+        n_blocks, gen_off, data_off, size = af.layout(capacity)
+        self.n_blocks = n_blocks
+        self.data_offset = data_off
+        self.file_size = size
+        self._gens = np.frombuffer(mm, "<u8", count=n_blocks, offset=gen_off)
+        self._data_addr = np.frombuffer(mm, np.uint8, count=1, offset=data_off).ctypes.data
+        self._top = top_order
+        # Free regions per order (BLOCK * 2**order bytes), offsets in BLOCK units; dicts as ordered sets.
+        self._free_at: list[dict[int, None]] = [{} for _ in range(top_order + 1)]
+        top_blocks = 1 << top_order
+        for b in range(0, n_blocks, top_blocks):
+            self._free_at[top_order][b] = None
+        self._committed = bytearray((size + COMMIT_CHUNK - 1) // COMMIT_CHUNK)
+        self.allocated_bytes = 0
+        self.peak_bytes = 0
+        self.regions = 0
+        self.allocations = 0
+        self.fallbacks = 0  # arrays kept on the heap because the arena (or /dev/shm) was full
+        self.committed_bytes = 0
+        self._closed = False
+        self._warned = False
+
+    # -- life --
+
+    @classmethod
+    def create(cls, directory: str, capacity: int) -> "Arena":
+        """OSError when the directory cannot hold it."""
+        top_order = 0
+        want = max(af.BLOCK, min(capacity, MAX_TOP))
+        while (af.BLOCK << top_order) < want:
+            top_order += 1
+        top = af.BLOCK << top_order
+        capacity = (max(capacity, af.BLOCK) + top - 1) // top * top
+        dir_fd = os.open(directory, _DIR_FLAGS)
+        try:
+            remove_stale(dir_fd, directory)
+            arena_id = secrets.randbits(63) | 1
+            name = af.arena_name(arena_id)
+            fd = create_private_file(dir_fd, name, af.FILE_MODE)
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        try:
+            n_blocks, gen_off, data_off, size = af.layout(capacity)
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, data_off)  # header and generation table, touched at once
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            af.HEADER.pack_into(mm, 0, af.ARENA_MAGIC, af.ARENA_FORMAT_VERSION, af.HEADER_SIZE, arena_id, capacity,
+                                af.BLOCK, 0, n_blocks, gen_off, data_off, os.getpid(), time.time_ns())
+        except BaseException:
+            os.close(fd)
+            os.unlink(name, dir_fd=dir_fd)
+            os.close(dir_fd)
+            raise
+        a = cls(os.path.join(directory, name), dir_fd, name, fd, mm, arena_id, capacity, top_order)
+        a._mark_committed(0, data_off)
+        log.info("delivery arena %s: %d MiB (regions up to %d MiB)", a.path, capacity >> 20, top >> 20)
+        return a
+
+    def close(self) -> None:
+        """Unlink the file. The mapping stays until the daemon exits: arrays in it may still be
+        referenced (and clients keep their own mappings)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            st = os.stat(self._name, dir_fd=self._dir_fd, follow_symlinks=False)
+            if st.st_ino == os.fstat(self._fd).st_ino:
+                os.unlink(self._name, dir_fd=self._dir_fd)
+        except OSError:
+            pass
+        os.close(self._dir_fd)
+
+    # -- allocation --
+
+    def alloc(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
+        """An array of `shape` in a fresh region; None when it does not fit (keep it on the heap)."""
+        dt = np.dtype(dtype)
+        count = 1
+        for s in shape:
+            count *= s
+        nbytes = count * dt.itemsize
+        if nbytes <= 0 or self._closed:
+            return None
+        blocks = (nbytes + af.BLOCK - 1) // af.BLOCK
+        order = (blocks - 1).bit_length()
+        if order > self._top:
+            self.fallbacks += 1
+            return None
+        b = self._take(order)
+        if b is None:
+            self.fallbacks += 1
+            self._warn("the arena is full")
+            return None
+        if blocks < (1 << order):
+            self._give_range(b + blocks, b + (1 << order))  # the tail it does not need
+        size = blocks * af.BLOCK
+        off = b * af.BLOCK
+        if not self._commit(off, size):
+            self._give_range(b, b + blocks)
+            self.fallbacks += 1
+            return None
+        region = _region_type(size).from_buffer(self._mm, self.data_offset + off)
+        region._arena = self
+        region._off = b
+        region._blocks = blocks
+        region._gen = int(self._gens[b])
+        self.allocated_bytes += size
+        self.regions += 1
+        self.allocations += 1
+        if self.allocated_bytes > self.peak_bytes:
+            self.peak_bytes = self.allocated_bytes
+        return np.frombuffer(region, dt, count=count).reshape(shape)
+
+    def locate(self, arr: np.ndarray) -> tuple[int, int, int] | None:
+        """(block, gen, offset) of an array that lies in this arena (C-contiguous), else None."""
+        owner = _owner(arr)
+        if not isinstance(owner, _Region) or owner._arena is not self or not arr.flags.c_contiguous:
+            return None
+        return owner._off, owner._gen, arr.ctypes.data - self._data_addr
+
+    def _take(self, order: int) -> int | None:
+        b = self._find(order)
+        if b is None and self._coalesce():
+            b = self._find(order)
+        return b
+
+    def _find(self, order: int) -> int | None:
+        k = order
+        while k <= self._top and not self._free_at[k]:
+            k += 1
+        if k > self._top:
+            return None
+        b, _ = self._free_at[k].popitem()
+        while k > order:  # split: keep the lower half, free the upper
+            k -= 1
+            self._free_at[k][b + (1 << k)] = None
+        return b
+
+    def _give_range(self, lo: int, hi: int) -> None:
+        """Blocks [lo, hi) back, as the largest aligned buddies that tile them."""
+        while lo < hi:
+            k = min((lo & -lo).bit_length() - 1 if lo else self._top, (hi - lo).bit_length() - 1, self._top)
+            self._free_at[k][lo] = None
+            lo += 1 << k
+
+    def _coalesce(self) -> bool:
+        """Merge every pair of free buddies, smallest first; True if anything merged."""
+        merged = False
+        for order in range(self._top):
+            fl = self._free_at[order]
+            up = self._free_at[order + 1]
+            for b in sorted(fl):
+                if b in fl and (b ^ (1 << order)) in fl:
+                    del fl[b], fl[b ^ (1 << order)]
+                    up[min(b, b ^ (1 << order))] = None
+                    merged = True
+        return merged
+
+    def _free(self, b: int, blocks: int) -> None:
+        # The generation first: a reader that copied from the region before this store sees the
+        # old value; any byte written into it after this comes after the new value (x86-64 TSO).
+        self._gens[b] += 1
+        self.allocated_bytes -= blocks * af.BLOCK
+        self.regions -= 1
+        self._give_range(b, b + blocks)
+
+    def _commit(self, off: int, size: int) -> bool:
+        lo = (self.data_offset + off) // COMMIT_CHUNK
+        hi = (self.data_offset + off + size - 1) // COMMIT_CHUNK
+        for c in range(lo, hi + 1):
+            if self._committed[c]:
+                continue
+            start = c * COMMIT_CHUNK
+            n = min(COMMIT_CHUNK, self.file_size - start)
+            try:
+                os.posix_fallocate(self._fd, start, n)
+            except OSError as e:
+                self._warn(f"cannot reserve {n >> 20} MiB of {os.path.dirname(self.path)} ({os.strerror(e.errno)})")
+                return False
+            self._committed[c] = 1
+            self.committed_bytes += n
+        return True
+
+    def _mark_committed(self, start: int, n: int) -> None:
+        for c in range(start // COMMIT_CHUNK, (start + n - 1) // COMMIT_CHUNK + 1):
+            if not self._committed[c]:
+                self._committed[c] = 1
+                self.committed_bytes += min(COMMIT_CHUNK, self.file_size - c * COMMIT_CHUNK)
+
+    def _warn(self, why: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("delivery arena %s: %s; arrays that do not fit stay on the heap and go to subscribers "
+                        "as frames (slower; `vllm-tap status` counts them as arena fallbacks)", self.path, why)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"path": self.path, "id": f"{self.arena_id:016x}", "capacity": self.capacity,
+                "allocated_bytes": self.allocated_bytes, "peak_bytes": self.peak_bytes, "regions": self.regions,
+                "allocations": self.allocations, "fallbacks": self.fallbacks, "committed_bytes": self.committed_bytes}
+
+
+def remove_stale(dir_fd: int, directory: str) -> None:
+    """Arena files of earlier runs (ours, their daemon dead) are removed: nothing reads them any more
+    but clients that mapped them, and those keep their mappings."""
+    try:
+        names = [n for n in os.listdir(dir_fd) if n.startswith(af.ARENA_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            head = os.pread(fd, af.HEADER.size, 0)
+            pid = af.HEADER.unpack(head)[10] if len(head) == af.HEADER.size else 0
+        finally:
+            os.close(fd)
+        if pid and pid != os.getpid() and _alive(pid):
+            continue
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+            log.info("removed %s/%s, the arena of an earlier daemon run", directory, name)
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError as e:
+        return e.errno != errno.ESRCH
+    return True
