@@ -21,7 +21,7 @@ from vllm_tap.positions import PositionRanges
 from vllm_tap.daemon.config import default_endpoint
 
 from vllm_tap.client.arena import OVERWRITTEN, ArenaUse
-from vllm_tap.client.errors import CaptureLost, CaptureNotFound, DaemonUnavailable, ProtocolError, error_for
+from vllm_tap.client.errors import CaptureLost, CaptureNotFound, DaemonUnavailable, ProtocolError, Refused, error_for
 from vllm_tap.client.records import CaptureBegin, CaptureEnd, Chunk, Gap, widen
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,33 @@ _ids = itertools.count(1)
 
 
 def resolve_endpoint(endpoint: str | None = None) -> str:
-    return endpoint or os.environ.get(ENDPOINT_ENV) or default_endpoint()
+    """The endpoint given, else $VLLM_TAP_ENDPOINT, else the default one, whose directory is checked
+    first: at a predictable path (/tmp/vllm-tap-$UID) anyone could have made it and be waiting there
+    to answer in the daemon's place. Refused (one line) when it is not this user's or root's, or
+    others may write in it."""
+    chosen = endpoint or os.environ.get(ENDPOINT_ENV)
+    if chosen:
+        return chosen
+    ep = default_endpoint()
+    _check_default_dir(os.path.dirname(ep[len("ipc://"):]))
+    return ep
+
+
+def _check_default_dir(path: str) -> None:
+    from vllm_tap.safe_paths import Expect, UnsafePath, dir_mode, me, open_dir
+
+    try:
+        fd = open_dir(path, "the default socket directory")
+    except FileNotFoundError:
+        return  # no daemon there: connecting says so
+    except UnsafePath as e:
+        raise Refused(f"vllm-tap: {e}") from None
+    try:
+        Expect(max_mode=dir_mode(0o640), owners=me()).check_fd(fd, path, "the default socket directory")
+    except UnsafePath as e:
+        raise Refused(f"vllm-tap: {e}") from None
+    finally:
+        os.close(fd)
 
 
 class StreamState:

@@ -291,6 +291,10 @@ def test_squatted_runtime_and_shm_directories_stop_start_up_with_one_line(world)
         r = daemon("--shm-dir", f"{a.shm}-other")
         assert r.returncode == 2 and default_dir in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and "owned by" in r.stderr, r.stderr
+        # A client of that user will not talk to whoever waits there in the daemon's place.
+        r = _as(a.tap, "-m", "vllm_tap.cli", "status", timeout=30)
+        assert r.returncode != 0 and default_dir in r.stderr and "owned by" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
         # The shm directory: someone else's, or a link to one.
         assert _as(out, "-c", mine, f"{a.shm}-squat").returncode == 0
         r = daemon("--shm-dir", f"{a.shm}-squat", "--endpoint", a.endpoint + "-x")
