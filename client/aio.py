@@ -12,10 +12,12 @@ from vllm_tap import wire_format as wf
 
 from zmq.utils.monitor import parse_monitor_message
 
+from vllm_tap.client.auth import client_keys, keyed_context
 from vllm_tap.client.errors import DaemonUnavailable, Refused
 from vllm_tap.client.records import Capture, CaptureBuilder, Chunk, Gap, Item
 from vllm_tap.client.stream import (
-    HEARTBEAT_S, RECONNECT_IVL_MAX_MS, StreamState, SubscriptionView, refusal, refused_message, resolve_endpoint,
+    HEARTBEAT_S, RECONNECT_IVL_MAX_MS, REFUSAL_EVENTS, StreamState, SubscriptionView, refusal, refused_message, resolve_endpoint,
+    unanswered, uses_curve,
 )
 from vllm_tap.client.sync import RCVHWM, parse_status
 from vllm_tap.client.watch import WATCH_HEARTBEAT_S, WATCH_TIMEOUT_S, AsyncWatch, watch_state
@@ -39,7 +41,7 @@ class AsyncSubscription(SubscriptionView):
             return
         loop = asyncio.get_running_loop()
         sock = _dealer(self._ctx)
-        mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        mon = sock.get_monitor_socket(REFUSAL_EVENTS)
         sock.connect(st.endpoint)
         try:
             await _send(sock, st.start(loop.time()))
@@ -72,7 +74,7 @@ async def _check_refused(mon: zmq.asyncio.Socket, endpoint: str) -> None:
     while await mon.poll(0):
         status = refusal(parse_monitor_message(await mon.recv_multipart()))
         if status is not None:
-            raise Refused(refused_message(endpoint, status))
+            raise Refused(refused_message(endpoint, status, uses_curve(mon)))
 
 
 def _close(sock: zmq.asyncio.Socket, mon: zmq.asyncio.Socket) -> None:
@@ -93,10 +95,13 @@ async def _send(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
 
 class AsyncClient:
     def __init__(self, endpoint: str | None = None, *, heartbeat_s: float = HEARTBEAT_S,
-                 context: zmq.asyncio.Context | None = None):
+                 context: zmq.asyncio.Context | None = None, server_key: str | None = None,
+                 client_key: str | None = None):
+        """Client's arguments, for asyncio (server_key / client_key: CURVE, see Client)."""
         self.endpoint = resolve_endpoint(endpoint)
         self.heartbeat_s = heartbeat_s
-        self._ctx = context or zmq.asyncio.Context.instance()
+        self.keys = client_keys(server_key, client_key)
+        self._ctx = keyed_context(context or zmq.asyncio.Context.instance(), self.keys)
 
     def subscribe(self, name: str, index: int | None = None, instance: str | None = None,
                   timeout: float = 30.0) -> AsyncSubscription:
@@ -122,13 +127,13 @@ class AsyncClient:
 
     async def status(self, timeout: float = 5.0) -> dict[str, Any]:
         sock = _dealer(self._ctx)
-        mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        mon = sock.get_monitor_socket(REFUSAL_EVENTS)
         try:
             sock.connect(self.endpoint)
             await sock.send_multipart(wf.StatusRequest(0).frames())
             if not await sock.poll(int(timeout * 1000), zmq.POLLIN):
                 await _check_refused(mon, self.endpoint)
-                raise DaemonUnavailable(f"no daemon answered at {self.endpoint} within {timeout:g} s")
+                raise DaemonUnavailable(unanswered(self.endpoint, timeout, self.keys is not None))
             return parse_status(await sock.recv_multipart())
         finally:
             _close(sock, mon)

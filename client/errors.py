@@ -38,7 +38,12 @@ class CaptureLost(TapError):
 
 
 class Refused(TapError):
-    """The daemon refused this subscription or connection (too many: the daemon's max_* settings)."""
+    """The daemon refused this subscription or connection: too many (its max_* settings), or this
+    client's CURVE key is not allowed, or the two disagree on CURVE (the message says which)."""
+
+
+class KeyFileError(TapError, ValueError):
+    """CURVE keys that cannot be used (missing half, unreadable file, a public file given as secret)."""
 
 
 class ProtocolError(TapError):

@@ -42,6 +42,7 @@ class TokenRecord:
     topk_values: np.ndarray | None = None
     chosen: np.ndarray | None = None
     request_id: str = ""
+    logsumexp: float | None = None  # of the whole logit row (top-k and chosen captures): logprob = logit - it
     missing: ClassVar[bool] = False
 
 
@@ -68,6 +69,7 @@ class Chunk:
     topk_ids: np.ndarray | None = None
     topk_values: np.ndarray | None = None
     chosen: np.ndarray | None = None
+    logsumexp: np.ndarray | None = None  # float32 [n]
     missing: ClassVar[bool] = False
 
     def __len__(self) -> int:
@@ -91,6 +93,8 @@ class Chunk:
                 kw["hidden"][int(layer)] = arr
             elif base in ("logits", "topk_ids", "topk_values", "chosen"):
                 kw[base] = arr
+            elif base == "logsumexp":
+                kw[base] = arr.reshape(-1)  # [n, 1] on the wire
         return cls(request_id, start, token_ids, num_prompt_tokens, **kw)
 
     def cut(self, from_position: int) -> "Chunk":
@@ -102,7 +106,8 @@ class Chunk:
             return None if a is None else a[k:]
 
         return Chunk(self.request_id, self.start + k, self.token_ids[k:], self.num_prompt_tokens, c(self.logits),
-                     {l: a[k:] for l, a in self.hidden.items()}, c(self.topk_ids), c(self.topk_values), c(self.chosen))
+                     {l: a[k:] for l, a in self.hidden.items()}, c(self.topk_ids), c(self.topk_values), c(self.chosen),
+                     c(self.logsumexp))
 
     def rows(self) -> Iterator[TokenRecord]:
         for i in range(len(self)):
@@ -113,6 +118,7 @@ class Chunk:
                 None if self.topk_ids is None else self.topk_ids[i],
                 None if self.topk_values is None else self.topk_values[i],
                 None if self.chosen is None else self.chosen[i], self.request_id,
+                None if self.logsumexp is None else float(self.logsumexp[i]),
             )
 
 
@@ -184,6 +190,7 @@ class Capture:
     expected: tuple[int, int] | None = None
     source: str = "client"
     end_position: int | None = None
+    logsumexp: np.ndarray | None = None  # float32 [T], top-k and chosen captures: logprob = logit - logsumexp
 
     @property
     def phases(self) -> np.ndarray:
@@ -197,7 +204,7 @@ class Capture:
     def arrays(self) -> dict[str, np.ndarray]:
         """Every array by a flat name (as saved): positions, token_ids, logits, hidden.L, ..."""
         out = {"positions": self.positions, "token_ids": self.token_ids}
-        for name in ("logits", "topk_ids", "topk_values", "chosen"):
+        for name in ("logits", "topk_ids", "topk_values", "chosen", "logsumexp"):
             a = getattr(self, name)
             if a is not None:
                 out[name] = a
@@ -234,6 +241,14 @@ class Capture:
                 extra["missing_positions"] = np.asarray(self.missing_positions, np.int64)
             np.savez(path, meta=np.array(meta), **extra,
                      **{k.replace(".", "_"): v for k, v in arrays.items()})
+
+
+def stack_rows(cs: list[Chunk], get) -> np.ndarray | None:
+    """A one-value-per-row array of every chunk, stacked (NaN for a chunk without it)."""
+    parts = [get(c) for c in cs]
+    if all(p is None for p in parts):
+        return None
+    return np.concatenate([p if p is not None else np.full(len(c), np.nan, np.float32) for p, c in zip(parts, cs)])
 
 
 class CaptureBuilder:
@@ -276,5 +291,5 @@ class CaptureBuilder:
             stack(lambda c: c.topk_ids), stack(lambda c: c.topk_values), stack(lambda c: c.chosen),
             end.reason, end.num_output_tokens, list(end.output_token_ids), PositionRanges(end.missing_positions.ranges)
             if isinstance(end.missing_positions, PositionRanges) else PositionRanges.of(end.missing_positions),
-            end.expected, end.source, end.end_position,
+            end.expected, end.source, end.end_position, stack_rows(cs, lambda c: c.logsumexp),
         )

@@ -186,15 +186,54 @@ class StreamState:
         return out
 
 
-def refused_message(endpoint: str, status: int) -> str:
+# Monitor events that mean the daemon will not talk to this client (see refusal()).
+REFUSAL_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+MECHANISM_MISMATCH = zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+
+
+def refused_message(endpoint: str, status: int, curve: bool = False) -> str:
+    """`curve`: this client used CURVE keys (a key the daemon does not allow is refused with 400 too)."""
+    if curve and status == 400:
+        return (f"the daemon at {endpoint} refused the connection (status 400): this client's CURVE key is not among "
+                "its allowed client keys (curve_clients), or it already has as many connections as its "
+                "max_connections / max_connections_per_peer allow (its log says which)")
+    if status == MECHANISM_MISMATCH:
+        return (f"the daemon at {endpoint} and this client disagree on CURVE: the daemon requires keys "
+                "(--server-key / --client-key, $VLLM_TAP_SERVER_KEY / $VLLM_TAP_CLIENT_KEY) or has none")
     return (f"the daemon at {endpoint} refused the connection (status {status}): it already has as many connections "
             "as its max_connections / max_connections_per_peer allow; close others or raise those settings")
 
 
+def uses_curve(sock: zmq.Socket) -> bool:
+    """Whether sockets of this one's context carry CURVE keys (client/auth.py puts them there)."""
+    return zmq.CURVE_SERVERKEY in getattr(sock.context, "sockopts", {})
+
+
+def unanswered(endpoint: str, timeout: float, curve: bool) -> str:
+    """Why a status request got no answer, as far as the client can tell."""
+    msg = f"no daemon answered at {endpoint} within {timeout:g} s"
+    if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
+        path = endpoint[len("ipc://"):]
+        try:
+            os.stat(path)
+        except PermissionError:
+            return msg + f": this account may not reach {path} (not in the daemon's socket_group?)"
+        except OSError:
+            return msg + ": is `vllm-tap daemon` running?"
+        if not os.access(path, os.W_OK):
+            return msg + f": this account may not connect to {path} (not in the daemon's socket_group?)"
+    if curve:
+        msg += " (with CURVE: is --server-key the daemon's public key?)"
+    return msg
+
+
 def refusal(event: dict[str, Any]) -> int | None:
-    """The ZAP status of a monitor event that says the daemon refused the connection, else None."""
+    """The ZAP status of a monitor event that says the daemon refused the connection (or
+    MECHANISM_MISMATCH: one side uses CURVE, the other not), else None."""
     if event.get("event") == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return int(event.get("value") or 0)
+    if event.get("event") == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and event.get("value") == MECHANISM_MISMATCH:
+        return MECHANISM_MISMATCH
     return None
 
 

@@ -11,10 +11,12 @@ from vllm_tap import wire_format as wf
 
 from zmq.utils.monitor import recv_monitor_message
 
+from vllm_tap.client.auth import client_keys, keyed_context
 from vllm_tap.client.errors import DaemonUnavailable, ProtocolError, Refused, error_for
 from vllm_tap.client.records import Capture, CaptureBuilder, Chunk, Gap, Item
 from vllm_tap.client.stream import (
-    HEARTBEAT_S, RECONNECT_IVL_MAX_MS, StreamState, SubscriptionView, refusal, refused_message, resolve_endpoint,
+    HEARTBEAT_S, RECONNECT_IVL_MAX_MS, REFUSAL_EVENTS, StreamState, SubscriptionView, refusal, refused_message, resolve_endpoint,
+    unanswered, uses_curve,
 )
 from vllm_tap.client.watch import WATCH_HEARTBEAT_S, WATCH_TIMEOUT_S, Watch, watch_state
 
@@ -44,7 +46,7 @@ class Subscription(SubscriptionView):
         if st.done:
             return
         sock = self._sock = _dealer(self._ctx)
-        mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        mon = sock.get_monitor_socket(REFUSAL_EVENTS)
         sock.connect(st.endpoint)
         try:
             _send(sock, st.start(time.monotonic()))
@@ -87,7 +89,7 @@ def _check_refused(mon: zmq.Socket, endpoint: str) -> None:
     while mon.poll(0):
         status = refusal(recv_monitor_message(mon))
         if status is not None:
-            raise Refused(refused_message(endpoint, status))
+            raise Refused(refused_message(endpoint, status, uses_curve(mon)))
 
 
 def _close(sock: zmq.Socket, mon: zmq.Socket) -> None:
@@ -108,12 +110,18 @@ def _send(sock: zmq.Socket, frames: list[bytes]) -> None:
 
 class Client:
     """Subscribe to captures from a daemon at `endpoint` (default: $VLLM_TAP_ENDPOINT, else the
-    daemon's default socket)."""
+    daemon's default socket).
 
-    def __init__(self, endpoint: str | None = None, *, heartbeat_s: float = HEARTBEAT_S, context: zmq.Context | None = None):
+    A daemon with CURVE keys needs `server_key` (its public certificate file or key) and
+    `client_key` (this client's secret certificate file); default $VLLM_TAP_SERVER_KEY and
+    $VLLM_TAP_CLIENT_KEY (vllm_tap.client.auth)."""
+
+    def __init__(self, endpoint: str | None = None, *, heartbeat_s: float = HEARTBEAT_S, context: zmq.Context | None = None,
+                 server_key: str | None = None, client_key: str | None = None):
         self.endpoint = resolve_endpoint(endpoint)
         self.heartbeat_s = heartbeat_s
-        self._ctx = context or zmq.Context.instance()
+        self.keys = client_keys(server_key, client_key)
+        self._ctx = keyed_context(context or zmq.Context.instance(), self.keys)
 
     def subscribe(self, name: str, index: int | None = None, instance: str | None = None,
                   timeout: float = 30.0) -> Subscription:
@@ -151,13 +159,13 @@ class Client:
     def status(self, timeout: float = 5.0) -> dict[str, Any]:
         """The daemon's snapshot: rings, writers, requests in flight, bytes, drops, subscribers."""
         sock = _dealer(self._ctx)
-        mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        mon = sock.get_monitor_socket(REFUSAL_EVENTS)
         try:
             sock.connect(self.endpoint)
             sock.send_multipart(wf.StatusRequest(0).frames())
             if not sock.poll(int(timeout * 1000), zmq.POLLIN):
                 _check_refused(mon, self.endpoint)
-                raise DaemonUnavailable(f"no daemon answered at {self.endpoint} within {timeout:g} s")
+                raise DaemonUnavailable(unanswered(self.endpoint, timeout, self.keys is not None))
             return parse_status(sock.recv_multipart())
         finally:
             _close(sock, mon)

@@ -42,6 +42,14 @@ class DaemonConfig:
     metrics_addr: str = ""  # host:port for Prometheus metrics; "" = off
     state_dir: str = ""  # the persisted capture sequence counter; "" = default_state_dir()
     log_level: str = "INFO"
+    # Who may do what (docs/operate.md, "Access model"); daemon/access.py turns these into checks.
+    ring_group: str = ""  # group of the shm dir, instance dirs and rings (writers + daemon); "" = not checked
+    ring_owners: str = ""  # users who may own instance dirs and rings (comma-separated); "" = any
+    ring_mode: int = 0o660  # loosest mode of a ring file (directories: the same plus search, setgid)
+    socket_group: str = ""  # group given the ipc socket and its directory (subscribers); "" = none
+    curve_key: str = ""  # the daemon's CURVE secret certificate (`vllm-tap keygen`); "" = no CURVE
+    curve_clients: str = ""  # directory of allowed clients' public certificates (*.key)
+    insecure: bool = False  # allow a non-loopback tcp:// endpoint without CURVE
 
     def resolved_endpoint(self) -> str:
         return self.endpoint or default_endpoint()

@@ -8,6 +8,7 @@ should not have to decode a traceback to find the typo.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import os
 import re
@@ -16,6 +17,7 @@ import typing
 from typing import Any, Mapping
 
 from vllm_tap.daemon.config import DaemonConfig
+from vllm_tap.safe_paths import gid_of, uid_of
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -34,7 +36,7 @@ DOCS: dict[str, str] = {
     "else `ipc:///run/vllm-tap/tap.sock` as root, else under `$XDG_RUNTIME_DIR`.",
     "poll_interval_s": ("Sleep between ring scans when every ring is empty and writers cannot wake the daemon "
                         "(seconds, > 0). Normally writers wake it through its doorbell, `<shm_dir>/.doorbell` "
-                        "(`status` shows it), and it then reads the rings at once, and at least every 5 ms."),
+                        "(`status` shows it), and it then reads the rings at once, and at least every 50 ms."),
     "retain_bytes": "Finished requests kept for late subscribers, evicted oldest first beyond this size "
     "(bytes; `512MiB`, `1GiB` accepted).",
     "retain_ttl_s": "Longest a finished request is kept for late subscribers (seconds; `10m` accepted).",
@@ -56,6 +58,21 @@ DOCS: dict[str, str] = {
     "empty = `$STATE_DIRECTORY` under systemd (`/var/lib/vllm-tap` with the shipped unit), else "
     "`/var/lib/vllm-tap` as root, else `$XDG_STATE_HOME/vllm-tap` (`~/.local/state/vllm-tap`).",
     "log_level": "`DEBUG`, `INFO`, `WARNING`, `ERROR` or `CRITICAL`.",
+    "ring_group": "Group the shm directory, the instance directories and the rings must belong to: the writers' "
+    "(vLLM's) and the daemon's group, never the subscribers'. Anything else is refused (one line, counted in "
+    "`status`); empty = not checked. The shipped units use `vllm-tap-rings`.",
+    "ring_owners": "Users who may own instance directories and rings (comma-separated names; the daemon's user and "
+    "root always may); empty = any user the directory's group and mode let in.",
+    "ring_mode": "The loosest mode a ring may have (octal, `\"0660\"`); a ring with any other permission bit is "
+    "refused. Directories may have the same plus search and setgid (`2770`).",
+    "socket_group": "Group given the `ipc://` socket (mode 0660) and its directory (0750): the subscribers' group. "
+    "Empty = the socket is 0600, for the daemon's own user only. The shipped units use `vllm-tap-readers`.",
+    "curve_key": "The daemon's CURVE secret certificate (`vllm-tap keygen DIR --name server` writes "
+    "`server.key_secret`): subscribers must then authenticate and the traffic is encrypted. Empty = no CURVE.",
+    "curve_clients": "Directory of the public certificates (`*.key`) of the clients allowed to connect when "
+    "`curve_key` is set; re-read when it changes.",
+    "insecure": "Allow a `tcp://` endpoint that is not loopback without CURVE (anyone who reaches the port reads "
+    "every capture). The flag is `--insecure`.",
 }
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -103,10 +120,37 @@ def _parse_duration(text: str) -> float:
     return float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _parse_mode(value: Any) -> int:
+    """Permission bits: a string read as octal ("0660", "660", "0o660") or a TOML integer (0o660)."""
+    if isinstance(value, int):
+        out = value
+    elif isinstance(value, str):
+        try:
+            out = int(value.strip().lower().removeprefix("0o"), 8)
+        except ValueError:
+            raise ValueError(f"expected an octal mode like \"0660\", got {value!r}") from None
+    else:
+        raise ValueError(f"expected an octal mode like \"0660\", got {type(value).__name__} {value!r}")
+    if not 0 <= out <= 0o777:
+        raise ValueError(f"expected permission bits between 0000 and 0777, got {value!r}")
+    return out
+
+
 def _coerce(key: str, typ: type, value: Any) -> Any:
     """Turn a TOML value or a string (environment, flags) into the field's type; ValueError if it cannot."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ValueError(f"expected true or false, got {value!r}")
     if isinstance(value, bool):  # bool is an int subclass; `retain_bytes = true` is a mistake, not 1
         raise ValueError(f"expected {typ.__name__}, got a boolean")
+    if key.endswith("_mode"):
+        return _parse_mode(value)
     if typ is str:
         if not isinstance(value, str):
             raise ValueError(f"expected a string, got {type(value).__name__} {value!r}")
@@ -164,6 +208,50 @@ def _validate(cfg: DaemonConfig) -> list[tuple[str, str]]:
             bad.append(("metrics_addr", str(e)))
     if cfg.log_level.upper() not in _LOG_LEVELS:
         bad.append(("log_level", f"must be one of {', '.join(_LOG_LEVELS)}, got {cfg.log_level!r}"))
+    bad += _validate_access(cfg)
+    return bad
+
+
+def tcp_host(endpoint: str) -> str:
+    """The host part of tcp://HOST:PORT, without IPv6 brackets."""
+    host = endpoint[len("tcp://"):].rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def is_loopback(endpoint: str) -> bool:
+    """Whether a tcp:// endpoint binds only the loopback interface (a name is trusted only as localhost/lo)."""
+    host = tcp_host(endpoint)
+    if host in ("localhost", "lo"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # *, an interface, a host name: reachable from elsewhere as far as we know
+
+
+def _validate_access(cfg: DaemonConfig) -> list[tuple[str, str]]:
+    bad: list[tuple[str, str]] = []
+    for key in ("ring_group", "socket_group"):
+        name = getattr(cfg, key)
+        if name:
+            try:
+                gid_of(name)
+            except KeyError as e:
+                bad.append((key, str(e.args[0])))
+    for user in filter(None, (u.strip() for u in cfg.ring_owners.split(","))):
+        try:
+            uid_of(user)
+        except KeyError as e:
+            bad.append(("ring_owners", str(e.args[0])))
+    if cfg.curve_key and not cfg.curve_clients:
+        bad.append(("curve_clients", "must name the directory of allowed client keys when curve_key is set"))
+    if cfg.curve_clients and not cfg.curve_key:
+        bad.append(("curve_key", "must name the daemon's secret certificate when curve_clients is set"))
+    if (cfg.endpoint.startswith("tcp://") and not cfg.curve_key and not cfg.insecure
+            and not is_loopback(cfg.endpoint)):
+        bad.append(("endpoint", f"{cfg.endpoint} is reachable from other hosts and has no CURVE keys: anyone who "
+                                "reaches it could read every capture; set curve_key and curve_clients "
+                                "(`vllm-tap keygen`), bind 127.0.0.1, or pass --insecure"))
     return bad
 
 
@@ -252,8 +340,12 @@ def load_config(
 
 def _human(key: str, value: Any) -> str:
     """A default as it would be written in config.toml."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, str):
         return f'"{value}"'
+    if key.endswith("_mode"):
+        return f'"{value:04o}"'
     if key.endswith("_bytes") and value:
         for unit in ("TiB", "GiB", "MiB", "KiB"):
             if value % _SIZE_UNITS[unit.lower()] == 0:

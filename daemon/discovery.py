@@ -4,6 +4,9 @@ Rules this module keeps:
 - Nothing is followed through a symbolic link: directories are opened O_NOFOLLOW relative to their
   parent's descriptor and entries are classified from the directory itself (d_type), so a link
   under the ring directory can never make the daemon read someone else's ring.
+- The shm directory and every instance directory must pass the access rules (`root_rule`,
+  `dir_rule`: owner, group, mode; daemon/access.py), judged by fstat of the opened directory. One
+  that does not is not read: one line (once per directory inode), counted in `dirs_refused`.
 - The directories are watched with inotify, so a new or replaced ring is noticed when it appears,
   not by rescanning; a full scan runs at start, after the kernel's event queue overflowed, and
   slowly in the background as a safety net (fast, where inotify is missing).
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from vllm_tap import ring_format as rf
+from vllm_tap.safe_paths import Expect
 
 from vllm_tap.daemon import inotify as ino
 
@@ -61,6 +65,10 @@ class _Instance:
 class RingDirectory:
     shm_dir: str
     use_inotify: bool = True
+    root_rule: Expect | None = None  # what the shm directory must pass (None: anything)
+    dir_rule: Expect | None = None  # ... and each instance directory
+    dirs_refused: int = 0
+    _refused_dirs: dict = field(default_factory=dict)  # name -> inode refused (logged once)
     _root: int = -1
     _root_wd: int | None = None
     _inotify: ino.Inotify | None = None
@@ -146,9 +154,13 @@ class RingDirectory:
         if self._root >= 0:
             return
         try:
-            self._root = os.open(self.shm_dir, _DIR_FLAGS)
+            fd = os.open(self.shm_dir, _DIR_FLAGS)
         except OSError:
             return
+        if not self._allowed(fd, "", self.root_rule, f"shm directory {self.shm_dir}"):
+            os.close(fd)
+            return
+        self._root = fd
         if self._inotify is not None:
             self._root_wd = self._inotify.add(self.shm_dir, ino.DIR_EVENTS)
         self._walks.clear()
@@ -189,6 +201,9 @@ class RingDirectory:
             fd = os.open(name, _DIR_FLAGS, dir_fd=self._root)  # ELOOP for a link, ENOTDIR for a file
         except OSError:
             return None
+        if not self._allowed(fd, name, self.dir_rule, f"instance directory {os.path.join(self.shm_dir, name)}"):
+            os.close(fd)
+            return None
         st = os.fstat(fd)
         inst = self._instances[name] = _Instance(name, fd, inode=st.st_ino)
         if self._inotify is not None:
@@ -197,6 +212,22 @@ class RingDirectory:
             if inst.wd is not None:
                 self._by_wd[inst.wd] = inst
         return inst
+
+    def _allowed(self, fd: int, name: str, rule: Expect | None, what: str) -> bool:
+        if rule is None:
+            return True
+        st = os.fstat(fd)
+        why = rule.problem(st)
+        if why is None:
+            self._refused_dirs.pop(name, None)
+            return True
+        if self._refused_dirs.get(name) != st.st_ino:  # one line per directory, not per scan
+            if len(self._refused_dirs) >= MAX_REMEMBERED:
+                self._refused_dirs.clear()
+            self._refused_dirs[name] = st.st_ino
+            self.dirs_refused += 1
+            log.warning("not reading %s: %s (ring_group / ring_owners / ring_mode)", what, why)
+        return False
 
     def _drop_instance(self, name: str) -> None:
         inst = self._instances.pop(name, None)

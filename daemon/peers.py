@@ -5,10 +5,12 @@ idle connections must never reach the descriptor limit. Rules this module keeps:
 - Every connection is counted from the socket's monitor (ACCEPTED +1, DISCONNECTED -1) and
   attributed to its peer: one process over ipc:// (SO_PEERCRED: uid, gid, pid), one address over
   tcp://.
-- Every handshake asks the ZAP handler here (ZAP_DOMAIN is set, NULL mechanism): a connection beyond
-  `max_connections_per_peer` for its peer or `max_connections` in all is refused (ZAP status 400);
-  libzmq then closes it and the peer's monitor reports the refusal (the client turns it into an
-  error). Monitor events are drained before ZAP requests, so the connection being decided is
+- Every handshake asks the ZAP handler here (ZAP_DOMAIN is set; NULL mechanism, or CURVE when the
+  daemon has keys): with CURVE, a client key that is not allowed (daemon/curve.py) is refused;
+  then a connection beyond `max_connections_per_peer` for its peer or `max_connections` in all is
+  refused. Both with ZAP status 400 (libzmq sends 300 to no one: the client would just hang);
+  libzmq closes a refused connection and the peer's monitor reports the refusal (the client turns
+  it into an error; the daemon's log says which it was). Monitor events are drained before ZAP requests, so the connection being decided is
   already counted.
 - Half the descriptor limit is kept free: when accepted connections reach the other half, the
   listener is closed (unbind) until they fall back, so accept() does not meet EMFILE. libzmq
@@ -27,8 +29,10 @@ import os
 import socket
 import struct
 import time
+from typing import Any, Callable
 
 import zmq
+from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger(__name__)
@@ -40,6 +44,8 @@ RESUME_AT = 0.9  # accept again below this share of the descriptor budget
 RECHECK_S = 0.5  # while not accepting, how often the counted descriptors are checked again
 HANDSHAKE_IVL_MS = 5000  # a connection that does not complete its handshake in this long is closed
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+STATUS_KEY_REFUSED = b"400"  # ZAP: authentication failed (the client's key is not allowed)
+STATUS_LIMIT = b"400"  # the same: libzmq's NULL mechanism tells the client of no other refusal
 
 
 def peer_of_fd(fd: int) -> str:
@@ -61,8 +67,11 @@ def peer_of_fd(fd: int) -> str:
 
 class Peers:
     def __init__(self, ctx: zmq.Context, router: zmq.Socket, endpoint: str, *, max_connections: int,
-                 max_per_peer: int, fd_limit: int):
+                 max_per_peer: int, fd_limit: int, curve: Any = None, on_bind: Callable[[], None] | None = None):
         self._router = router
+        self.curve = curve  # daemon/curve.CurveServer: which client keys may connect (None: no CURVE)
+        self._on_bind = on_bind  # after the listener is opened again (the ipc socket's mode is set anew)
+        self.refused_key = 0
         self._endpoint = endpoint
         self.max_connections = max_connections
         self.max_per_peer = max_per_peer
@@ -130,6 +139,14 @@ class Peers:
         if len(req) < 6:
             return
         version, rid, _domain, address = req[0], req[1], req[2], req[3].decode(errors="replace")
+        if self.curve is not None and (req[5] != b"CURVE" or len(req) < 7 or not self.curve.allowed(req[6])):
+            self.refused_key += 1
+            if self._log_refusals:
+                self._log_refusals -= 1
+                key = z85.encode(req[6]).decode() if len(req) > 6 and len(req[6]) == 32 else "-"
+                log.warning("connection from %s refused: client key %s is not in curve_clients", address, key)
+            self.zap.send_multipart([version, rid, STATUS_KEY_REFUSED, b"client key not allowed", b"", b""])
+            return
         why = ""
         if self._per_peer.get(address, 0) > self.max_per_peer:
             why = f"more than {self.max_per_peer} connections from {address} (max_connections_per_peer)"
@@ -140,7 +157,7 @@ class Peers:
             if self._log_refusals:
                 self._log_refusals -= 1
                 log.warning("connection refused: %s", why)
-            self.zap.send_multipart([version, rid, b"400", why.encode(), b"", b""])
+            self.zap.send_multipart([version, rid, STATUS_LIMIT, why.encode(), b"", b""])
         else:
             self.zap.send_multipart([version, rid, b"200", b"OK", b"", b""])
 
@@ -162,6 +179,8 @@ class Peers:
         if self.paused and self.total < RESUME_AT * self.fd_budget:
             try:
                 self._router.bind(self._endpoint)
+                if self._on_bind is not None:
+                    self._on_bind()
                 self.paused = False
                 log.info("accepting connections again (%d open)", self.total)
             except zmq.ZMQError as e:

@@ -44,7 +44,12 @@ from vllm_tap import ring_format as rf
 from vllm_tap import wire_format as wf
 from vllm_tap.ring import RingBroken, RingFormatError, RingReader
 
+from vllm_tap.safe_paths import UnsafePath
+
+from vllm_tap.daemon.access import RingAccess, narrow_socket, prepare_socket_dir, socket_gid, socket_path
 from vllm_tap.daemon.config import DaemonConfig
+from vllm_tap.daemon.config_load import is_loopback
+from vllm_tap.daemon.curve import CurveServer
 from vllm_tap.daemon.discovery import Candidate, RingDirectory
 from vllm_tap.daemon.messages import Frames, encode
 from vllm_tap.daemon.peers import Peers
@@ -70,7 +75,8 @@ SEND_BATCH = 64  # messages per subscriber per round, for fairness between subsc
 SNDHWM = 256  # messages the socket holds per subscriber before sends to it would block
 MAX_FRAME_BYTES = 1 << 20  # a request is one frame of at most wire_format.MAX_REQUEST_BYTES
 IDLE_AFTER_S = 1.0  # after this long with nothing to do ...
-IDLE_SLEEP_S = 0.005  # ... sleep up to this long between ring polls
+IDLE_SLEEP_S = 0.005  # ... sleep up to this long between ring polls (no doorbell)
+DOORBELL_BACKSTOP_S = TICK_INTERVAL_S  # with the doorbell: the longest sleep (the tick is due then)
 STOP_FLUSH_S = 1.0  # how long stop() tries to get the final messages out
 TOO_SLOW_FLUSH_S = 5.0  # how long a cut-off subscriber's error is retried
 MAX_NOFILE = 1 << 20  # the soft descriptor limit is raised to the hard one, up to this
@@ -83,6 +89,10 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 
 class DaemonError(RuntimeError):
     """The daemon cannot start (bad endpoint, address in use); the message says why in one line."""
+
+
+class AccessError(DaemonError):
+    """A squatted or too open directory, or unusable keys: restarting cannot fix it, the operator must."""
 
 
 class Histogram:
@@ -205,7 +215,8 @@ class Daemon:
         self._order: list[_Ring] = []  # engine rings first: BEGINs are then usually read before their data
         self._by_pidfd: dict[int, _Ring] = {}
         self._broken: list[dict[str, Any]] = []  # rings dropped because they changed under the daemon (last 100)
-        self._dir = RingDirectory(config.shm_dir)
+        self.access = RingAccess.from_config(config)
+        self._dir = RingDirectory(config.shm_dir, root_rule=self.access.root, dir_rule=self.access.dirs)
         self._reasm: dict[str, Reassembler] = {}
         self.store = Store(config.retain_bytes, config.retain_ttl_s)
         # watch: sequence numbers and watchers (daemon/watch.py); told of every filed event and drop
@@ -249,13 +260,23 @@ class Daemon:
             sock.setsockopt(zmq.LINGER, 0)
             # A larger frame closes the connection as it arrives, before libzmq allocates for it.
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-            _prepare_endpoint(self.endpoint, ctx)
+            gid = socket_gid(self.config)
+            try:
+                _prepare_endpoint(self.endpoint, ctx, gid)
+                curve = self._curve()
+                self._prepare_shm_dir()
+            except UnsafePath as e:
+                raise AccessError(str(e)) from None
             self._peers = Peers(ctx, sock, self.endpoint, max_connections=self.config.max_connections,
-                                max_per_peer=self.config.max_connections_per_peer, fd_limit=self.nofile)
+                                max_per_peer=self.config.max_connections_per_peer, fd_limit=self.nofile,
+                                curve=curve, on_bind=lambda: narrow_socket(self.endpoint, gid))
+            if curve is not None:
+                curve.apply(sock)
             try:
                 sock.bind(self.endpoint)
             except zmq.ZMQError as e:
                 raise DaemonError(f"cannot listen on {self.endpoint}: {e}") from None
+            narrow_socket(self.endpoint, gid)
             self._sock = sock
             # watch: the persisted sequence counter; SequenceStateError stops start-up (one line)
             self.watch.open(SequenceCounter(self.config.resolved_state_dir()))
@@ -281,6 +302,28 @@ class Daemon:
                 ctx.term()
                 self.watch.close()  # watch: a clean stop persists the last number used
         log.info("stopped: %s", self._stop_reason)
+
+    def _curve(self) -> CurveServer | None:
+        cfg = self.config
+        if not cfg.curve_key:
+            if self.endpoint.startswith("tcp://"):
+                log.warning("%s has no CURVE keys: %s can connect and read every capture (see curve_key)",
+                            self.endpoint, "any local user" if is_loopback(self.endpoint) else "anyone who reaches it")
+            return None
+        curve = CurveServer(cfg.curve_key, cfg.curve_clients)
+        log.info("CURVE on %s: %d allowed client keys in %s", self.endpoint, curve.allowed_keys, cfg.curve_clients)
+        return curve
+
+    def _prepare_shm_dir(self) -> None:
+        """Make the ring directory, or refuse a squatted one (UnsafePath). One that cannot be made here
+        (a read-only parent) is waited for, and checked when it appears (discovery)."""
+        try:
+            self.access.prepare_root(self.config.shm_dir)
+        except UnsafePath:
+            raise
+        except OSError as e:
+            log.warning("cannot create the shm directory %s (%s): waiting for it to appear", self.config.shm_dir,
+                        e.strerror or e)
 
     def _loop(self) -> None:
         assert self._sock is not None
@@ -315,12 +358,19 @@ class Daemon:
             watched = want
             bell = self._doorbell
             if bell is not None:
-                # Writers ring after every commit: wait for that or a request. The timer is only a
-                # backstop for a writer that could not ring (no permission, a lost wake-up).
+                # Writers ring after a commit while we sleep (the rings' waiting flags): wait for that
+                # or a request. The timer is the tick, and a backstop for a writer that could not
+                # ring (no permission, a lost wake-up).
                 if polled_bell is not bell:
                     poller.register(bell.fileno(), zmq.POLLIN)
                     polled_bell = bell
-                woke = dict(poller.poll(timeout=max(interval, IDLE_SLEEP_S) * 1000))
+                readers = [r.reader for r in self._order]
+                if not _arm(readers):
+                    continue  # a commit came in as we were about to sleep: read it first
+                try:
+                    woke = dict(poller.poll(timeout=max(interval, DOORBELL_BACKSTOP_S) * 1000))
+                finally:
+                    _disarm(readers)
                 if bell.fileno() in woke:
                     self.counters.doorbell_wakeups += bell.drain()
                 if any(fd in woke for fd in watched):
@@ -396,7 +446,11 @@ class Daemon:
         path = os.path.join(self.config.shm_dir, c.instance, c.name)
         try:
             reader = RingReader(path, dir_fd=c.dir_fd, name=c.name)
-        except (RingFormatError, OSError, ValueError) as e:
+            why = self.access.files.problem(os.fstat(reader.fileno()))
+            if why:
+                reader.close()
+                raise UnsafePath(f"{why} (ring_group / ring_owners / ring_mode)")
+        except (RingFormatError, OSError, ValueError, UnsafePath) as e:
             inode = c.inode
             if inode is None:
                 try:
@@ -942,6 +996,7 @@ class Daemon:
             "discovery": "inotify" if self._dir.watching else "scan",
             "rings": rings,
             "rings_refused": c.rings_refused,
+            "dirs_refused": self._dir.dirs_refused,  # instance directories (or the shm dir) failing the access rules
             "rings_broken": c.rings_broken,
             "broken_rings": list(self._broken[-10:]),
             "rejected_records": rejected,
@@ -969,6 +1024,8 @@ class Daemon:
             "subscriptions_dropped_peer_gone": c.subscriptions_dropped_peer_gone,
             "connections": {"open": p.total if p else 0, "accepted": p.accepted if p else 0,
                             "refused": p.refused if p else 0, "peers": p.peers if p else 0,
+                            "refused_key": p.refused_key if p else 0,
+                            "curve": bool(p and p.curve is not None),
                             "accept_paused": bool(p and p.paused), "descriptor_limit": self.nofile},
             "delivered_messages": c.delivered_messages,
             "delivered_bytes": c.delivered_bytes,
@@ -979,22 +1036,58 @@ class Daemon:
         }
 
 
-def _prepare_endpoint(endpoint: str, ctx: zmq.Context) -> None:
-    """Make an ipc socket's directory; refuse to take over a socket another daemon still serves."""
+def _prepare_endpoint(endpoint: str, ctx: zmq.Context, gid: int | None = None) -> None:
+    """Make an ipc socket's directory (or refuse a squatted one: UnsafePath); refuse to take over a
+    socket another daemon still serves."""
     if endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://"):]
-        if not path or path.startswith("@"):  # abstract namespace: nothing on disk
+        path = socket_path(endpoint)
+        if path is None:  # abstract namespace: nothing on disk
             return
         d = os.path.dirname(path)
         if d:
             try:
-                os.makedirs(d, mode=0o755, exist_ok=True)
+                prepare_socket_dir(d, gid)
+            except UnsafePath:
+                raise
             except OSError as e:
                 raise DaemonError(f"cannot create the socket directory {d}: {e}") from None
         if os.path.exists(path) and _answers(ctx, endpoint):
             raise DaemonError(f"another daemon is already serving {endpoint}")
     elif not endpoint.startswith(("tcp://", "inproc://")):
         raise DaemonError(f"unsupported endpoint {endpoint!r}: use ipc://PATH or tcp://HOST:PORT")
+
+
+_FENCE = threading.Lock()
+
+
+def _arm(readers: list) -> bool:
+    """Raise every ring's waiting flag before sleeping, then look again (futex-style: a writer that
+    committed before it saw the flag is found here; one that commits after it rings). False, with
+    the flags lowered, when something is there to read."""
+    for r in readers:
+        try:
+            r.set_waiting(True)
+        except OSError:
+            pass  # a broken ring: the next read finds out
+    with _FENCE:  # a locked instruction: our flag stores are visible before the cursor loads below
+        pass
+    for r in readers:
+        try:
+            new = r.has_new()
+        except Exception:  # noqa: BLE001 - RingBroken and the like: let the next round handle it
+            new = True
+        if new:
+            _disarm(readers)
+            return False
+    return True
+
+
+def _disarm(readers: list) -> None:
+    for r in readers:
+        try:
+            r.set_waiting(False)
+        except OSError:
+            pass
 
 
 def _answers(ctx: zmq.Context, endpoint: str, timeout_s: float = 0.3) -> bool:

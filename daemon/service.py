@@ -199,7 +199,7 @@ class _Service:
 def run_service(config: DaemonConfig, env: Mapping[str, str] | None = None) -> int:
     """Run the daemon until SIGTERM/SIGINT; 0 after an orderly stop, 1 when it could not run."""
     setup_logging(config.log_level, env)
-    from vllm_tap.daemon.server import Daemon, DaemonError  # lazily: other CLI commands need none of it
+    from vllm_tap.daemon.server import AccessError, Daemon, DaemonError  # lazily: other CLI commands need none of it
     from vllm_tap.daemon.sequence import SequenceStateError
 
     notifier = Notifier(env)
@@ -221,7 +221,7 @@ def run_service(config: DaemonConfig, env: Mapping[str, str] | None = None) -> i
                 return EXIT_FAILED
         if not svc.stop_requested:
             svc.daemon.run()
-    except SequenceStateError as e:  # the sequence state needs the operator: restarting cannot fix it
+    except (SequenceStateError, AccessError) as e:  # the operator must act: restarting cannot fix it
         log.error("%s", e)
         notifier.stopping(str(e))
         return EXIT_CONFIG
@@ -258,9 +258,12 @@ def _parse_args(argv: list[str] | None) -> tuple[str | None, dict[str, Any]]:
     parser = argparse.ArgumentParser(prog="python -m vllm_tap.daemon.service", description=__doc__)
     parser.add_argument("--config", help="TOML file (default /etc/vllm-tap/config.toml if it exists)")
     keys = [f.name for f in dataclasses.fields(DaemonConfig)]
-    for key in keys:
+    for f in dataclasses.fields(DaemonConfig):
         # Strings: load_config parses them exactly like environment values.
-        parser.add_argument(flag_name(key), dest=key, default=None, metavar="VALUE")
+        if f.type in (bool, "bool"):
+            parser.add_argument(flag_name(f.name), dest=f.name, default=None, action="store_const", const="true")
+        else:
+            parser.add_argument(flag_name(f.name), dest=f.name, default=None, metavar="VALUE")
     ns = parser.parse_args(argv)
     return ns.config, {k: getattr(ns, k) for k in keys}
 

@@ -5,7 +5,7 @@ adapter (hooks/runner_v1.py, hooks/runner_v2.py) hands it a `StepView` built fro
 state, and tells it about requests (`learn`, `forget`). The same core runs under both runners, on CPU
 and CUDA, and in `vllm-tap bench hook` and the tests with torch alone.
 
-    StepView (per step)          rows → request id (batch order, query_start), first position of each
+    StepView (per step)          request id → batch row (row_of), rows of each batch row (query_start), first position of each
                                  request's rows (computed), token ids (host array, or a device tensor
                                  gathered on the device), hidden / aux / logits tensors, the lm head
     RankPlace (per worker)       tensor-parallel rank and size, pipeline stage, layers per stage
@@ -16,15 +16,21 @@ and CUDA, and in `vllm-tap bench hook` and the tests with torch alone.
                                  that have no logits yet: prompt positions)
     core.end(step)               the step's records are published (CPU: now; CUDA: after the copy)
 
-V1 has every tensor at the top of `sample_tokens` and calls `core.capture(view)` (all four at once);
+Both adapters learn a request when the runner admits it (`scheduled_new_reqs`, whose sampling params
+carry the spec) and forget it when the runner drops it. V1 has every tensor at the top of
+`sample_tokens` and calls `core.capture(view)` (all four at once);
 V2 computes logits only inside `sample()`, so its adapter writes the states first and the logits
 when they appear, before the grammar mask modifies them in place.
 
 Rules kept here (performance and correctness):
-- Per step: one dict lookup and a few integer operations per scheduled request, then one ring record
-  per captured tensor for the whole batch, its rows gathered by one copy (two for logits: extra-pass
-  rows, then sampled rows), whatever the number of requests. No per-token Python, no device sync.
-  Per-request work (spec, parts, request-table entry) is done once, when the request is learned.
+- Per step, the cost is proportional to what is captured: the core keeps only the requests that
+  capture (learned at admission, forgotten at finish, by the runner adapter) and with none of them
+  in the step it returns at once. Otherwise one lookup of its batch row (`StepView.row_of`) and a few
+  integer operations per *capturing* request; requests that do not capture cost nothing per step,
+  however many there are. Then one ring record per captured tensor for the whole batch, its rows
+  gathered by one copy (two for logits: extra-pass rows, then sampled rows), whatever the number of
+  requests. No per-token Python, no device sync. Per-request work (spec, parts, request-table
+  entry) is done once, when the request is learned.
 - Under tensor parallelism every rank holds the full logits and residual stream; each rank copies
   only its 1/tp share of the last dimension (no collective). Top-k and chosen indices need whole
   rows: TP rank 0 writes them. The extra lm-head pass is a collective, so every TP rank of the last
@@ -39,7 +45,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -54,13 +60,19 @@ from vllm_tap.spec import CaptureSpec, DTypeMode, LogitsMode
 
 log = logging.getLogger("vllm_tap.hooks")
 
-_UNSEEN = object()
+
+
+def _first(pair: tuple) -> Any:
+    return pair[0]
 _NO_ROWS = np.zeros(0, np.int64)
 
 _LOGITS_ID = TensorId(rf.TensorKind.LOGITS)
 _TOPK_IDS_ID = TensorId(rf.TensorKind.TOPK_IDS)
 _TOPK_VALUES_ID = TensorId(rf.TensorKind.TOPK_VALUES)
 _CHOSEN_ID = TensorId(rf.TensorKind.CHOSEN)
+_LSE_ID = TensorId(rf.TensorKind.LOGSUMEXP)
+# Records per step of each part: top-k is ids + values + logsumexp, chosen is values + logsumexp.
+_RECORDS_PER_PART = {"topk": 3, "chosen": 2}
 _HIDDEN_IDS: dict[int, TensorId] = {}
 
 
@@ -124,11 +136,10 @@ class StepView:
     a tensor, gathered on its device like the payload (decode rows' ids exist only on the GPU under
     async scheduling, and always under V2); `host_ids` makes the adapters' choice. aux: this
     stage's captured layers' hidden states, in `RankPlace.layers` order. logits: the sampled rows, one per request (None when they come later through
-    `write_logits`, or on a non-last stage). describe(i): (extra_args, prompt length) of batch row
-    i's request the first time the core sees it, for runners that keep them (V1); runners that tell
-    the core at admission (V2, `learn`) leave it None."""
+    `write_logits`, or on a non-last stage). Requests are told to the core at admission (`learn`),
+    never discovered from the batch: a step walks only the capturing requests."""
 
-    req_ids: Sequence[str]
+    req_ids: Sequence[str]  # batch order; the core never walks it per step (row_of finds its requests)
     query_start: np.ndarray  # [num_reqs + 1]: request i owns rows [query_start[i], query_start[i+1])
     computed: np.ndarray  # [num_reqs]: the position of request i's first row this step
     token_ids: Any  # np.ndarray | torch.Tensor, [num_rows]
@@ -137,7 +148,9 @@ class StepView:
     logits: torch.Tensor | None = None
     compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None  # the lm head
     finished: Iterable[str] = ()  # requests to forget before this step
-    describe: Callable[[int], tuple[dict | None, int]] | None = None
+    # request id -> batch row, for the scheduled requests (V1: input_batch.req_id_to_index); None:
+    # built from req_ids (one C-level pass, for callers without such a map)
+    row_of: Mapping[str, int] | None = None
 
 
 class _Part(NamedTuple):
@@ -236,6 +249,39 @@ class _StepRows:
         return got
 
 
+def _rows_within(block: np.ndarray, sub: np.ndarray) -> np.ndarray:
+    """Indices into `block`'s rows of `sub`'s rows (row tables: slot, position, id); every row of
+    sub is in block. Vectorised: a row is its (slot, position)."""
+    keys = block[0].astype(np.int64) << 32 | block[1].astype(np.int64)
+    want = sub[0].astype(np.int64) << 32 | sub[1].astype(np.int64)
+    order = np.argsort(keys, kind="stable")
+    return order[np.searchsorted(keys[order], want)]
+
+
+# Top-k on the CPU through group maxima: the vocabulary is split into G groups of STRIPES elements
+# (group g holds g, g + G, g + 2G, ...); every one of the k largest elements lies in one of the k
+# groups with the largest maxima (a group holding one has a maximum at least the k-th value, and at
+# most k groups can), so an exact top-k needs one max pass over the row, a top-k over G group maxima
+# and one over k * STRIPES candidates: 4-5x less than torch.topk over 32000 (measured here). Equal
+# values may come out in another order of their ids than torch.topk gives; the values are the same.
+_STRIPES = 32
+
+
+def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of the k largest of each row of x [n, V], largest first."""
+    n, v = x.shape
+    groups = v // _STRIPES
+    if x.device.type != "cpu" or groups < 2 * k or not x.is_contiguous():
+        return torch.topk(x, k, dim=-1, sorted=True)  # one kernel on an accelerator
+    gmax = x.as_strided((n, _STRIPES, groups), (v, groups, 1)).amax(1)
+    gi = torch.topk(gmax, k, dim=-1, sorted=False).indices
+    cand = (gi.unsqueeze(1) + torch.arange(0, _STRIPES * groups, groups).view(1, _STRIPES, 1)).view(n, -1)
+    if _STRIPES * groups < v:  # the tail beyond the last whole stripe: always a candidate
+        cand = torch.cat([cand, torch.arange(_STRIPES * groups, v).expand(n, -1)], 1)
+    values, j = torch.topk(torch.gather(x, 1, cand), k, dim=-1, sorted=True)
+    return values, torch.gather(cand, 1, j)
+
+
 class CaptureCore:
     """Per worker: the requests it captures for, and each step's records into its ring."""
 
@@ -254,7 +300,8 @@ class CaptureCore:
         # A step's rows of one tensor share a record up to this size; beyond it they are split by
         # request, so one huge batch (many prefill chunks of full logits) cannot outgrow the ring.
         self.max_record_bytes = max_record_bytes or max(writer.capacity // 8, 1 << 16)
-        self.requests: dict[str, _Request | None] = {}  # by request id; None: not capturing
+        # The capturing requests only, by id: their number, not the batch's, sets a step's cost.
+        self.requests: dict[str, _Request] = {}
         self._contributors: dict[CaptureSpec, int] = {}
         self._parts: dict[CaptureSpec, tuple[_Part, ...]] = {}
         self._indices: dict[tuple[int, ...], torch.Tensor] = {}
@@ -264,7 +311,11 @@ class CaptureCore:
 
     def learn(self, rid: str, extra_args: dict | None, num_prompt: int) -> None:
         """A request the runner admitted (again, after a preemption): work out what it captures."""
-        self.requests[rid] = self._request(rid, extra_args, num_prompt)
+        req = self._request(rid, extra_args, num_prompt)
+        if req is None:
+            self.requests.pop(rid, None)  # a re-used id that captured before does not now
+        else:
+            self.requests[rid] = req
 
     def forget(self, rid: str) -> None:
         self.requests.pop(rid, None)
@@ -277,7 +328,7 @@ class CaptureCore:
             parts = self.parts(spec)
             first = spec.first_position(num_prompt)
             ref = RequestRef(rid, spec.key, num_prompt, self.contributors(spec),
-                             sum(2 if x.what == "topk" else 1 for x in parts), -1 if first is None else first,
+                             sum(_RECORDS_PER_PART.get(x.what, 1) for x in parts), -1 if first is None else first,
                              spec.tail, spec.source)
             return _Request(spec, parts, spec.live_range(num_prompt), ref, ref.packed())
         except Exception as e:  # noqa: BLE001 - a malformed internal spec: no capture for it
@@ -341,6 +392,8 @@ class CaptureCore:
         self.step += 1
         for rid in view.finished:
             self.requests.pop(rid, None)
+        if not self.requests:
+            return None  # nobody captures: nothing per request, nothing per row
         plans, extra_rows, single = self._plan(view)
         if not plans and not extra_rows:
             return None
@@ -352,28 +405,22 @@ class CaptureCore:
     def _plan(self, view: StepView) -> tuple[list[_Plan], list[np.ndarray], bool]:
         """The step's capturing requests, the rows of the extra lm-head pass, and whether every
         plan is one sampled row (a decode step)."""
-        req_ids = view.req_ids
-        seen = self.requests
-        chosen = []
-        for i, rid in enumerate(req_ids):
-            r = seen.get(rid, _UNSEEN)
-            if r is _UNSEEN:
-                if view.describe is None:
-                    r = None  # never admitted through learn(): not ours to capture
-                else:
-                    extra, n_prompt = view.describe(i)
-                    r = self._request(rid, extra, int(n_prompt))
-                seen[rid] = r
-            if r is not None:
-                chosen.append(i)
-        if not chosen:
+        row_of = view.row_of
+        if row_of is None:
+            row_of = dict(zip(view.req_ids, range(len(view.req_ids))))
+        found = []
+        for rid, req in self.requests.items():
+            i = row_of.get(rid)
+            if i is not None:
+                found.append((i, req))
+        if not found:
             return [], [], True
+        found.sort(key=_first)  # batch order: row tables and gathers take rows ascending
         qsl = view.query_start
         computed = view.computed
         plans, extra_rows, extra_n, single = [], [], 0, True
         logits_here = self.is_last_stage
-        for i in chosen:
-            req = seen[req_ids[i]]
+        for i, req in found:
             r0, r1, c = int(qsl[i]), int(qsl[i + 1]), int(computed[i])
             a, b = req.live
             lo, hi = max(a, c), min(b, c + r1 - r0)
@@ -462,35 +509,61 @@ class CaptureStep:
         if self.extra_rows:
             idx = np.concatenate(self.extra_rows)
             extra = self.view.compute_logits(gather_rows(self.view.hidden, idx))
+        small = []
         for part, sel in self.by_part:
-            if part.what != "hidden":
-                self._write_logit_part(part, sel, logits, extra)
+            if part.what == "logits":
+                self._write_full_logits(part, sel, logits, extra)
+            elif part.what != "hidden":
+                small.append((part, sel))
+        if small:
+            self._write_small(small, logits, extra)
 
-    def _write_logit_part(self, part: _Part, sel: np.ndarray, logits: torch.Tensor, extra) -> None:
-        core = self.core
+    def _segments(self, sel: np.ndarray, logits, extra):
         block, flat, extra_idx, sampled_idx = self.rows.logit_rows(sel)
         segments = []
         if len(extra_idx):
             segments.append((extra, extra_idx))
         if len(sampled_idx):
             segments.append((logits, sampled_idx))
-        if part.what == "logits":
-            segments = [(core._shard(t)[0], i) for t, i in segments]
-            _, sl, full = core._shard(logits if logits is not None else extra)
-            records = [(_LOGITS_ID, segments, sl, full, part.to_f32)]
-        else:
-            blocks = [gather_rows(t, i) for t, i in segments]
-            rows = blocks[0] if len(blocks) == 1 else torch.cat(blocks)  # cat would copy even one
-            if part.what == "topk":
-                values, ids = torch.topk(rows, part.topk, dim=-1, sorted=True)
-                k = part.topk
-                records = [(_TOPK_IDS_ID, [(ids.to(torch.int32), None)], (0, k), k, False),
-                           (_TOPK_VALUES_ID, [(values, None)], (0, k), k, part.to_f32)]
+        return block, flat, segments
+
+    def _write_full_logits(self, part: _Part, sel: np.ndarray, logits, extra) -> None:
+        core = self.core
+        block, flat, segments = self._segments(sel, logits, extra)
+        segments = [(core._shard(t)[0], i) for t, i in segments]
+        _, sl, full = core._shard(logits if logits is not None else extra)
+        self._write([(_LOGITS_ID, segments, sl, full, part.to_f32)], block, flat)
+
+    def _write_small(self, parts: list, logits, extra) -> None:
+        """Top-k and chosen-index parts: whole rows, reduced here. One gather of every row they need,
+        one logsumexp and one top-k (at the largest k) for all of them; each part then takes its rows."""
+        sels = [sel for _, sel in parts]
+        same = all(s is sels[0] or np.array_equal(s, sels[0]) for s in sels)  # the usual case: one spec
+        union = sels[0] if same else np.unique(np.concatenate(sels))
+        block, flat, segments = self._segments(union, logits, extra)
+        blocks = [gather_rows(t, i) for t, i in segments]
+        rows = blocks[0] if len(blocks) == 1 else torch.cat(blocks)  # cat would copy even one
+        lse = torch.logsumexp(rows.float(), dim=-1, keepdim=True)
+        kmax = max((p.topk for p, _ in parts if p.what == "topk"), default=0)
+        top = topk_rows(rows, kmax) if kmax else None
+        for part, sel in parts:
+            if same:
+                pick, pblock, pflat = None, block, flat
             else:
-                chosen = rows[:, core._indices_tensor(part.indices)]
+                pblock, pflat = self.rows.logit_rows(sel)[:2]
+                pick = torch.from_numpy(_rows_within(block, pblock))
+            take = (lambda t: t) if pick is None else (lambda t: t.index_select(0, pick.to(t.device)))
+            if part.what == "topk":
+                k = part.topk
+                values, ids = top[0][:, :k], top[1][:, :k]
+                records = [(_TOPK_IDS_ID, [(take(ids).to(torch.int32), None)], (0, k), k, False),
+                           (_TOPK_VALUES_ID, [(take(values), None)], (0, k), k, part.to_f32)]
+            else:
+                chosen = take(rows)[:, self.core._indices_tensor(part.indices)]
                 k = chosen.shape[-1]
                 records = [(_CHOSEN_ID, [(chosen, None)], (0, k), k, part.to_f32)]
-        self._write(records, block, flat)
+            records.append((_LSE_ID, [(take(lse), None)], (0, 1), 1, False))
+            self._write(records, pblock, pflat)
 
     def _write(self, records, block: np.ndarray, flat: np.ndarray) -> None:
         core = self.core
@@ -537,8 +610,8 @@ class CaptureStep:
             if part.what == "hidden":
                 tids = [_hidden_id(part.layer)]
             else:
-                tids = {"logits": [_LOGITS_ID], "topk": [_TOPK_IDS_ID, _TOPK_VALUES_ID],
-                        "chosen": [_CHOSEN_ID]}[part.what]
+                tids = {"logits": [_LOGITS_ID], "topk": [_TOPK_IDS_ID, _TOPK_VALUES_ID, _LSE_ID],
+                        "chosen": [_CHOSEN_ID, _LSE_ID]}[part.what]
             for tid in tids:
                 report_drop(core.writer, self.table, block, tid)
 

@@ -30,6 +30,7 @@ from vllm_tap import ring_format as rf
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG, TapConfigError, instance_name, server_config
 from vllm_tap.identity import N_EXTRA_ARG
 from vllm_tap.ring import RingSpaceError, RingWriter, ring_path
+from vllm_tap.safe_paths import UnsafePath
 from vllm_tap.spec import CaptureOptionError, CaptureSpec
 
 log = logging.getLogger("vllm_tap.hooks")
@@ -71,8 +72,8 @@ class EngineEvents:
                 path, ENGINE_RING_BYTES, rank=rf.ENGINE_RANK, world_size=1,
                 mode=0o660 if cfg.group else 0o600, group=cfg.group,
             )
-        except RingSpaceError as e:
-            raise TapConfigError(str(e)) from None
+        except (RingSpaceError, UnsafePath) as e:  # no room, or a squatted directory: stop start-up, one line
+            raise TapConfigError(str(e) if isinstance(e, RingSpaceError) else f"vllm-tap: {e}") from None
         self.capturing: dict[str, CaptureSpec] = {}  # request id -> its spec, BEGIN to END
         self._next_live = 0.0
         self._owe_live = False  # the LIVE after the last capture ended is still to be written

@@ -34,17 +34,48 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 from vllm_tap.hooks import guard
 from vllm_tap.hooks.capture_core import CaptureCore, CaptureStep, StepView, host_ids
 from vllm_tap.hooks.runner_patch import pop_stage_aux, wrap_load
+
+
+class SlotRows:
+    """request id -> batch row under V2, without walking the batch in Python: the request's slot in
+    `req_states` (`req_id_to_index`) through the inverse of `input_batch.idx_mapping_np` (batch row
+    -> slot), built by numpy once per step and only when some request captures."""
+
+    __slots__ = ("_slots", "_mapping", "_inverse")
+
+    def __init__(self, slots, mapping):
+        self._slots = slots
+        self._mapping = mapping
+        self._inverse = None
+
+    def get(self, rid, default=None):
+        slot = self._slots.get(rid)
+        if slot is None:
+            return default
+        inv = self._inverse
+        if inv is None:
+            m = self._mapping
+            inv = np.full(int(m.max()) + 1 if len(m) else 0, -1, np.int64)
+            inv[m] = np.arange(len(m))
+            self._inverse = inv
+        if slot >= len(inv) or inv[slot] < 0:
+            return default
+        return int(inv[slot])
 
 
 def step_view(runner, state, *, aux=None, stage: bool = False) -> StepView:
     """The step as V2 holds it in `execute_model_state` (logits come later, inside sample())."""
     ib = state.input_batch
     n = ib.num_reqs
+    mapping = getattr(ib, "idx_mapping_np", None)
     return StepView(
         req_ids=ib.req_ids[:n],
+        row_of=None if mapping is None else SlotRows(runner.req_states.req_id_to_index, mapping[:n]),
         query_start=ib.query_start_loc_np,
         computed=ib.num_computed_tokens_np,
         token_ids=host_ids(ib.input_ids[: ib.num_tokens]),

@@ -14,7 +14,8 @@ LAYERS = (0, 2)
 
 def make_capture(seq: int, *, layers=LAYERS, hidden: int = HIDDEN, vocab: int = VOCAB, logits: str = "full",
                  topk: int = 5, n_prompt: int | None = None, n_out: int | None = None, missing=(),
-                 dtype=np.float32, model: str = "tiny", source: str = "policy") -> tuple[CaptureBegin, Capture]:
+                 dtype=np.float32, model: str = "tiny", source: str = "policy",
+                 logsumexp: bool = False) -> tuple[CaptureBegin, Capture]:
     rng = np.random.default_rng(1000 + seq)
     P = n_prompt if n_prompt is not None else int(rng.integers(3, 12))
     G = n_out if n_out is not None else int(rng.integers(1, 8))
@@ -40,5 +41,9 @@ def make_capture(seq: int, *, layers=LAYERS, hidden: int = HIDDEN, vocab: int = 
     begin = CaptureBegin(rid, "default", f"k{seq}", (rid,), f"cmpl-{seq}", 0, P, prompt, 1, model, spec, 0, False, source)
     cap = Capture(rid, "default", f"cmpl-{seq}", 0, P, prompt, positions, np.array([full[p] for p in positions], np.int32),
                   kw.get("logits"), hid, kw.get("topk_ids"), kw.get("topk_values"), None, "length", G, out,
-                  sorted(set(missing)), (0, computed))
+                  sorted(set(missing)), (0, computed), source)
+    if logsumexp and logits != "full":  # what the hook sends beside top-k and chosen logits
+        lg64 = lg.astype(np.float64)
+        m = lg64.max(1)
+        cap.logsumexp = (m + np.log(np.exp(lg64 - m[:, None]).sum(1))).astype(np.float32)
     return begin, cap

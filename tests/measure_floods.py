@@ -111,7 +111,7 @@ def pending(n_sub: int = 100_000, n_req: int = 100) -> dict:
 
 def junk(n: int = 100_000, seconds: float = 15.0) -> dict:
     d, shm, sd = _daemon()
-    os.makedirs(os.path.join(shm, "junk"))
+    os.makedirs(os.path.join(shm, "junk"), mode=0o700)
     for i in range(n):
         with open(os.path.join(shm, "junk", f"x{i}.ring"), "wb") as f:
             f.write(b"junk")

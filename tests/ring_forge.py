@@ -77,7 +77,7 @@ class RingForge:
     def __init__(self, shm_dir: str, instance: str, rank: int, capacity: int = 1 << 20, world: int = 1,
                  pid: int | None = None, allocate: bool = True):
         self.path = ring_path(shm_dir, instance, rank)
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)  # as a writer makes it (access rules)
         self.capacity = capacity
         tmp = self.path + ".forge.tmp"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -195,6 +195,7 @@ class SyntheticEngine:
     shm_dir: str
     block_timeout: float = 0.0
     engine_ring_bytes: int = 1 << 20
+    group: str | None = None  # rings 0660 in this group, as the hook makes them with its "group" setting
     step: int = 0
     dropped: int = 0
     write_times: list[float] = field(default_factory=list)
@@ -203,10 +204,11 @@ class SyntheticEngine:
 
     def __post_init__(self) -> None:
         sc = self.sc
+        access = {"group": self.group, "mode": 0o660 if self.group else 0o600}
         self.engine = RingWriter(ring_path(self.shm_dir, sc.instance, rf.ENGINE_RANK), self.engine_ring_bytes,
-                                 rank=rf.ENGINE_RANK, world_size=sc.world)
+                                 rank=rf.ENGINE_RANK, world_size=sc.world, **access)
         self.ranks = [RingWriter(ring_path(self.shm_dir, sc.instance, r), sc.ring_bytes, rank=r, world_size=sc.world,
-                                 block_timeout=self.block_timeout) for r in range(sc.world)]
+                                 block_timeout=self.block_timeout, **access) for r in range(sc.world)]
         self.plan = plan(sc)
         self.reqs = [_Req(i) for i in range(sc.n_requests)]
         self.dtype_code = DTYPE_CODES[sc.dtype]
@@ -310,10 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("shm_dir")
     ap.add_argument("scenario", help="Scenario fields as JSON")
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--group", default=None, help="make the rings 0660 in this group (the hook's \"group\")")
     ap.add_argument("--stop-after", type=int, default=None,
                     help="write this many steps, say so on stdout, then wait to be killed")
     args = ap.parse_args(argv)
-    eng = SyntheticEngine(Scenario.from_json(args.scenario), args.shm_dir)
+    eng = SyntheticEngine(Scenario.from_json(args.scenario), args.shm_dir, group=args.group)
     if args.stop_after is not None:
         eng.begin()
         for _ in range(args.stop_after):

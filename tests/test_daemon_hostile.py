@@ -228,7 +228,7 @@ def test_links_under_the_ring_directory_are_never_followed(daemon_factory, shm_d
     other = tmp_path / "other-daemons-shm"
     theirs = RingForge(str(other), "theirs", 0)
     theirs.append(rows("theirs", range(3)))
-    os.makedirs(os.path.join(shm_dir, "mine"))
+    os.makedirs(os.path.join(shm_dir, "mine"), mode=0o700)
     os.symlink(theirs.path, os.path.join(shm_dir, "mine", "rank-00001.ring"))  # a linked ring
     os.symlink(os.path.dirname(theirs.path), os.path.join(shm_dir, "linked-instance"))  # a linked instance
     d = daemon_factory()
@@ -244,7 +244,7 @@ def test_links_under_the_ring_directory_are_never_followed(daemon_factory, shm_d
 
 def test_a_hundred_thousand_junk_ring_files_are_skipped_a_slice_at_a_time(daemon_factory, shm_dir):
     junk = os.path.join(shm_dir, "junk")
-    os.makedirs(junk)
+    os.makedirs(junk, mode=0o700)
     for i in range(100_000):
         with open(os.path.join(junk, f"x{i}.ring"), "wb") as f:
             f.write(b"not a ring")

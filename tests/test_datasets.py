@@ -341,6 +341,33 @@ def test_distill_export_from_topk_without_logsumexp_renormalises(tmp_path) -> No
                 assert abs(np.exp(np.asarray(lp, np.float64)).sum() - 1) < 1e-5
 
 
+def test_topk_captures_with_logsumexp_record_it_and_export_exact_logprobs(tmp_path) -> None:
+    """The hook sends each top-k row's logsumexp: the recorder fills the column with it, and the
+    distillation export's logprobs are then exact (logit - logsumexp), not renormalised."""
+    dest = str(tmp_path / "ds")
+    rec = Recorder(dest, RecordOptions(writer="w1")).open()
+    caps = [make_capture(s, logits="topk", topk=4, logsumexp=True) for s in range(3)]
+    for s, (b, c) in enumerate(caps):
+        rec.feed_capture(s, b, c)
+    rec.close()
+    t = open_dataset(dest).to_pyarrow().to_table()
+    for _, c in caps:
+        part = t.filter(pa.compute.equal(t.column("request_id"), c.request_id))
+        part = part.take(pa.compute.sort_indices(part, [("position", "ascending")]))
+        assert part.column("logsumexp").null_count == 0
+        np.testing.assert_array_equal(part.column("logsumexp").to_numpy(), c.logsumexp)
+    from vllm_tap.client.export import export_distill
+
+    res = export_distill(dest, str(tmp_path / "kd"))
+    assert res.info["logprobs"].startswith("exact")
+    rows = {r["request_id"]: r for r in pq.read_table(str(tmp_path / "kd" / "data-00000.parquet")).to_pylist()}
+    for _, c in caps:
+        r = rows[c.request_id]
+        for j, p in enumerate(c.positions.tolist()):
+            if r["target_mask"][p][0]:
+                np.testing.assert_allclose(r["target_logprobs"][p], c.topk_values[j] - c.logsumexp[j], atol=1e-6)
+
+
 def test_saelens_export_loads_in_saelens_and_trains(tmp_path) -> None:
     if not os.path.exists(SAE_PY):
         pytest.skip(f"sae-lens venv not found at {SAE_PY} (./run install creates it; see docs/datasets.md)")

@@ -10,22 +10,43 @@ import numpy as np
 from vllm_tap import ring_format as rf
 from vllm_tap.doorbell import Doorbell, DoorbellPush, doorbell_path
 from vllm_tap.records import TensorId
-from vllm_tap.ring import RingWriter, ring_path
+from vllm_tap.ring import RingReader, RingWriter, ring_path
 
 
-def test_a_commit_rings_the_daemons_doorbell(shm_dir):
+def test_a_commit_rings_the_doorbell_only_while_the_reader_waits(shm_dir):
+    """Issue 16: a busy daemon is not rung (a commit then costs no system call); one that raised its
+    waiting flag before blocking is rung once, by the first commit, which lowers the flag."""
     os.makedirs(shm_dir, exist_ok=True)
     bell = Doorbell.bind(shm_dir)
     assert bell is not None and bell.path == doorbell_path(shm_dir)
     w = RingWriter(ring_path(shm_dir, "inst", 0), 1 << 16)
+    reader = RingReader(w.path)
+    data = np.ones((1, 4), np.float32)
     try:
         assert bell.drain() == 0
-        w.write("r", TensorId(rf.TensorKind.LOGITS), [0], [1], np.ones((1, 4), np.float32))
-        assert bell.drain() == 1
+        w.write("r", TensorId(rf.TensorKind.LOGITS), [0], [1], data)
+        w.write_control(rf.RecordKind.END, "r", {"reason": "stop"})
+        assert bell.drain() == 0 and w._doorbell.sent == 0, "the reader is awake: nobody rings"
+        assert reader.has_new()
+        reader.poll()
+        assert not reader.has_new()
+        reader.set_waiting(True)  # the daemon is about to block
+        assert w.reader_waiting
+        w.write("r", TensorId(rf.TensorKind.LOGITS), [1], [1], data)
+        assert bell.drain() == 1 and not w.reader_waiting
+        w.write("r", TensorId(rf.TensorKind.LOGITS), [2], [1], data)
+        assert bell.drain() == 0, "one ring per sleep"
+        reader.set_waiting(True)
         w.write_control(rf.RecordKind.END, "r", {"reason": "stop"})
         assert bell.drain() == 1
+        reader.set_waiting(True)
+        reader.set_waiting(False)  # woke for another reason: writers stop ringing
+        w.write("r", TensorId(rf.TensorKind.LOGITS), [3], [1], data)
+        assert bell.drain() == 0
+        reader.set_waiting(True)
         assert w.flush() and bell.drain() == 0, "nothing queued, nothing to announce"
     finally:
+        reader.close()
         w.close(unlink=True)
         bell.close()
     assert not os.path.exists(doorbell_path(shm_dir))

@@ -164,13 +164,22 @@ def test_capture_options_against_the_full_capture(engine):
     assert pos == list(range(end))
     _, ids = caps.stacked(rid["topk"], "topk_ids")
     _, vals = caps.stacked(rid["topk"], "topk_values")
-    assert ids.shape == (end, 7) and "logits" not in caps.rows[rid["topk"]]
+    assert ids.shape == (end, 7) and sorted(caps.rows[rid["topk"]]) == ["logsumexp", "topk_ids", "topk_values"]
     np.testing.assert_array_equal(ids, np.argsort(-full, axis=1, kind="stable")[:, :7])
     np.testing.assert_allclose(vals, np.take_along_axis(full, ids.astype(np.int64), 1), atol=TOL)
     assert np.all(np.diff(vals, axis=1) <= 0)
     _, chosen = caps.stacked(rid["indices"], "chosen")
     np.testing.assert_allclose(chosen, full[:, [3, 17, 200]], atol=TOL)
-    assert sorted(caps.rows[rid["indices"]]) == ["chosen", "hidden.1", "hidden.3"]
+    assert sorted(caps.rows[rid["indices"]]) == ["chosen", "hidden.1", "hidden.3", "logsumexp"]
+    # Beside top-k and chosen logits, each row's logsumexp: logit - logsumexp is log_softmax of the
+    # whole row (computed here from the full capture, which equals vLLM's raw logits).
+    logp = full.astype(np.float64) - np.log(np.exp(full.astype(np.float64) - full.max(1, keepdims=True)).sum(1,
+                                              keepdims=True)) - full.max(1, keepdims=True)
+    _, lse = caps.stacked(rid["topk"], "logsumexp")
+    assert lse.shape == (end, 1)
+    np.testing.assert_allclose(vals - lse, np.take_along_axis(logp, ids.astype(np.int64), 1), atol=TOL)
+    _, lse_i = caps.stacked(rid["indices"], "logsumexp")
+    np.testing.assert_allclose(chosen - lse_i, logp[:, [3, 17, 200]], atol=TOL)
     p_out, out_logits = caps.stacked(rid["output"], "logits")
     assert p_out == list(range(P - 1, end))
     np.testing.assert_allclose(out_logits, full[P - 1 :], atol=TOL)

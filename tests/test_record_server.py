@@ -123,6 +123,24 @@ def test_recorded_traffic_equals_fetch_logprobs_and_exports(stack, tmp_path) -> 
     rec.send_signal(signal.SIGTERM)
     assert rec.wait(60) == 0, open(tmp_path / "rec.log").read()
 
+    # A top-k capture (after the recorder, whose dataset holds full logits): with the logsumexp the
+    # hook sends beside it, topk_values - logsumexp are vLLM's own returned top-5 logprobs.
+    n = 12
+    r = api.completions.create(model=model, prompt=prompt_text(_ids(n, 7)), temperature=0.0, max_tokens=6, logprobs=5,
+                               extra_body={"ignore_eos": True, "vllm_xargs": {
+                                   "tap": 1, "tap_logits": "topk", "tap_topk": 5, "tap_layers": "none",
+                                   "tap_positions": "output", "tap_key": "rec-topk"}})
+    topk = client.fetch("rec-topk", timeout=60)
+    assert topk.logsumexp is not None and topk.logsumexp.shape == (len(topk.positions),)
+    at = {p: j for j, p in enumerate(topk.positions.tolist())}
+    for k, top in enumerate(r.choices[0].logprobs.top_logprobs):
+        j = at[n - 1 + k]  # the position whose logits chose output token k
+        got = dict(zip(topk.topk_ids[j].tolist(), (topk.topk_values[j] - topk.logsumexp[j]).tolist()))
+        want = {_token_id(w): v for w, v in top.items()}
+        assert set(got) == set(want)
+        for tok, v in want.items():
+            assert abs(got[tok] - v) <= 1e-5, (k, tok)
+
     ds = open_dataset(dest)
     assert ds.verify() == [] and ds.gaps == [] and ds.lost == []
     assert sorted(ds.layout.layers, key=df.layer_of) == [df.hook_name(l) for l in LAYERS]

@@ -154,7 +154,7 @@ def test_a_restarted_writer_is_a_new_epoch_and_the_old_mapping_still_drains(shm_
 
 
 def test_reader_refuses_what_is_not_a_ring_of_this_version(shm_dir):
-    os.makedirs(os.path.join(shm_dir, "i"))
+    os.makedirs(os.path.join(shm_dir, "i"), mode=0o700)  # as a writer makes it
     junk = os.path.join(shm_dir, "i", "rank-00000.ring")
     with open(junk, "wb") as f:
         f.write(b"x" * 8192)

@@ -20,8 +20,9 @@ V2, v1/worker/gpu/model_runner.py:
   `self.model.compute_logits(hidden[logits_indices])` (:1656) and then applies the grammar bitmask to
   that tensor in place (:1661-1668); then the prompt-logprobs worker calls compute_logits again
   (:2214), which the tap must not take for the step's logits.
-V1, v1/worker/gpu_model_runner.py: a persistent batch in admission order (`input_batch.req_ids`,
-`num_computed_tokens_cpu`, `num_prompt_tokens`), `query_start_loc.np`, `input_ids.gpu`,
+V1, v1/worker/gpu_model_runner.py: `_update_states(scheduler_output)` at the top of execute_model
+(admits `scheduled_new_reqs` into `requests`, drops `finished_req_ids`); a persistent batch in
+admission order (`input_batch.req_ids`, `req_id_to_index`, `num_computed_tokens_cpu`, `num_prompt_tokens`), `query_start_loc.np`, `input_ids.gpu`,
 `requests[rid].sampling_params`, and `ExecuteModelState` (:459-472) carrying scheduler_output and the
 logits computed in execute_model; sample_tokens applies the grammar mask to those logits in place.
 
@@ -135,6 +136,8 @@ def grammar_mask(logits):
 # -- V2 stand-in (see the module docstring for the 0.33 lines) ------------------------------------
 
 class V2Runner:
+    batch_ids = list  # how the batch's request ids are held (a counting list in one test)
+
     def __init__(self, model):
         self.model = model
         self.device = torch.device("cpu")
@@ -195,7 +198,8 @@ class V2Runner:
         pad = 2  # CUDA-graph padding rows after the real ones
         ids_buf = torch.cat([ids, torch.zeros(pad, dtype=torch.int32)])
         hidden, aux = self.model(ids_buf.long(), torch.from_numpy(np.concatenate([positions, [0] * pad])))
-        ib = SimpleNamespace(req_ids=req_ids, num_reqs=len(req_ids), query_start_loc_np=qsl,
+        ib = SimpleNamespace(req_ids=self.batch_ids(req_ids), num_reqs=len(req_ids), query_start_loc_np=qsl,
+                             idx_mapping_np=idx,
                              num_computed_tokens_np=computed, input_ids=ids_buf, num_tokens=num_tokens,
                              logits_indices=torch.from_numpy(qsl[1 : len(req_ids) + 1] - 1).long())
         self.execute_model_state = SimpleNamespace(
@@ -222,6 +226,9 @@ class V2Runner:
 # -- V1 stand-in ----------------------------------------------------------------------------------
 
 class V1Runner:
+    batch_ids = list
+    batch_index = dict
+
     def __init__(self, model):
         self.model = model
         self.device = "cpu"
@@ -238,20 +245,24 @@ class V1Runner:
     def load_model(self):
         pass
 
-    def execute_model(self, so, intermediate_tensors=None):
+    def _update_states(self, so):
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
         for rid in so.finished_req_ids | so.preempted_req_ids:
             if rid in self.order:
                 self.order.remove(rid)
         for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = SimpleNamespace(sampling_params=new.sampling_params)
+            self.requests[new.req_id] = SimpleNamespace(sampling_params=new.sampling_params,
+                                                        num_prompt_tokens=new.prompt_len)
             self.prompt[new.req_id] = new.prompt_len
             self.computed[new.req_id] = new.num_computed_tokens
             if new.req_id not in self.order:
                 self.order.append(new.req_id)
         for rid, c in zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens):
             self.computed[rid] = c
+
+    def execute_model(self, so, intermediate_tensors=None):
+        self._update_states(so)
         req_ids = [r for r in self.order if r in so.num_scheduled_tokens]
         n_sched = np.array([so.num_scheduled_tokens[r] for r in req_ids], np.int32)
         qsl = np.zeros(len(req_ids) + 1, np.int32)
@@ -260,7 +271,8 @@ class V1Runner:
         positions = np.concatenate([np.arange(c, c + n) for c, n in zip(computed, n_sched)])
         rows = np.concatenate([np.repeat(k, n) for k, n in enumerate(n_sched)])
         ids = torch.tensor([SEQ[req_ids[k]][p] for k, p in zip(rows, positions)], dtype=torch.int32)
-        self.input_batch = SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=computed,
+        self.input_batch = SimpleNamespace(req_ids=self.batch_ids(req_ids), num_computed_tokens_cpu=computed,
+                                           req_id_to_index=self.batch_index((r, i) for i, r in enumerate(req_ids)),
                                            num_prompt_tokens=np.array([self.prompt[r] for r in req_ids], np.int32))
         self.query_start_loc = SimpleNamespace(np=qsl)
         self.input_ids = SimpleNamespace(gpu=ids)
@@ -281,15 +293,61 @@ class V1Runner:
 
 # -- driving both ---------------------------------------------------------------------------------
 
-def run(kind, shm):
+class Counting:
+    """What the tap touches per request while `on`: batch request ids read one by one, and
+    lookups by request id (the batch index, V2's slots, V1's requests with their sampling params)."""
+
+    def __init__(self):
+        self.on = False
+        self.seen: collections.Counter = collections.Counter()
+        counter = self
+
+        class Ids(list):
+            def __getitem__(self, k):
+                if isinstance(k, slice):
+                    return Ids(super().__getitem__(k))  # a copy of the batch's ids is still them
+                if counter.on:
+                    counter.seen["batch ids read"] += 1
+                return super().__getitem__(k)
+
+            def __iter__(self):
+                if counter.on:
+                    counter.seen["batch ids walked"] += 1
+                return super().__iter__()
+
+        class ById(dict):
+            def get(self, k, default=None):
+                if counter.on:
+                    counter.seen[k] += 1
+                return super().get(k, default)
+
+            def __getitem__(self, k):
+                if counter.on:
+                    counter.seen[k] += 1
+                return super().__getitem__(k)
+
+            def __contains__(self, k):
+                if counter.on:
+                    counter.seen[k] += 1
+                return super().__contains__(k)
+
+        self.Ids, self.ById = Ids, ById
+
+
+def run(kind, shm, counting: Counting | None = None):
     cls = V1Runner if kind == "v1" else V2Runner
-    cls = type(cls.__name__, (cls,), {})  # a fresh class to patch
+    extra = {} if counting is None else {"batch_ids": counting.Ids, "batch_index": counting.ById}
+    cls = type(cls.__name__, (cls,), extra)  # a fresh class to patch
     if kind == "v1":
         runner_v1.patch_gpu_module(SimpleNamespace(GPUModelRunner=cls))
     else:
         runner_v2.patch_v2_module(SimpleNamespace(GPUModelRunner=cls))
     model = TinyModel()
     runner = cls(model)
+    if counting is not None:
+        runner.requests = counting.ById()
+        if kind == "v2":
+            runner.req_states.req_id_to_index = counting.ById()
     writer = RingWriter(f"{shm}/{kind}/rank-00000.ring", 1 << 20, wake_daemon=False)
     core = CaptureCore(writer, RankPlace(stage_layers=(LAYERS,)), Publisher(writer), model_dtype=torch.float32)
     # What runner_patch.setup does after load_model, without a vLLM config.
@@ -298,7 +356,13 @@ def run(kind, shm):
     runner._vllm_tap_loaded, runner._vllm_tap = True, core
     for so in scheduler_outputs():
         runner.execute_model(so)
-        runner.sample_tokens(object() if so.grammar else None)
+        if counting is not None:
+            counting.on = True  # the step's hook: sample_tokens (V1 and V2) and sample (V2)
+        try:
+            runner.sample_tokens(object() if so.grammar else None)
+        finally:
+            if counting is not None:
+                counting.on = False
     reader = RingReader(writer.path)
     got = collections.defaultdict(list)
     for rec in reader.poll():
@@ -358,6 +422,41 @@ def test_each_adapter_captures_the_raw_rows_the_model_computed(shm, kind):
     # d: output positions from P-1 = 2; step 4 computed it once past its end (position 5, END's
     # end_position): written at that position, with the token fed there.
     assert sorted(p for p, _, _ in got[("d", "topk_ids")]) == [2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("nobody", [False, True], ids=["some-capture", "nobody-captures"])
+@pytest.mark.parametrize("kind", ["v1", "v2"])
+def test_requests_that_do_not_capture_cost_the_step_hook_nothing(shm, kind, nobody, monkeypatch):
+    """Issue 16: a step's hook does Python work only for the requests that capture. It never walks the
+    batch's request ids, looks up the batch row of capturing requests only (c never), and reads no
+    spec (those are read once, when the runner admits a request). With nobody capturing it touches
+    no request at all. Counted, not timed: a per-request loop would show as reads of c."""
+    if nobody:
+        monkeypatch.setitem(SPECS, "a", None)
+        monkeypatch.setitem(SPECS, "b", None)
+        monkeypatch.setitem(SPECS, "d", None)
+    parsed = collections.Counter()
+    orig = CaptureCore._request
+
+    def counted(self, rid, *a):
+        parsed[rid] += 1
+        return orig(self, rid, *a)
+
+    monkeypatch.setattr(CaptureCore, "_request", counted)
+    counting = Counting()
+    got, _ = run(kind, shm, counting)
+    seen = counting.seen
+    assert seen["batch ids walked"] == 0 and seen["batch ids read"] == 0
+    assert seen["c"] == 0, "a request that does not capture was looked up in a step"
+    if nobody:
+        assert not got and sum(seen.values()) == 0
+        return
+    assert set(seen) <= {"a", "b", "d"}
+    # At most one lookup per capturing request per step it is known in (5 steps; b is admitted twice).
+    assert seen["a"] <= len(STEPS) and seen["d"] <= len(STEPS) and seen["b"] <= len(STEPS)
+    # Specs are parsed at admission only: a, b, d once each, b again when it is resumed (V2 re-adds it).
+    assert parsed["c"] == 0 and parsed["a"] == 1 and parsed["d"] == 1 and parsed["b"] <= 2
+    assert got  # and it still captured
 
 
 def test_v2_learns_at_add_requests_and_forgets_at_remove(shm):

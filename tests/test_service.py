@@ -494,7 +494,14 @@ def test_units_keep_the_rings_and_the_contract():
         assert settings["Type"] == "notify" and settings["Restart"] == "on-failure"
         assert int(settings["WatchdogSec"]) > 0 and settings["RestartPreventExitStatus"] == "2"
         assert settings["RemoveIPC"] == "no" and "DynamicUser" not in settings  # either would delete the rings
-        assert settings["User"] == "vllm-tap" and settings["RuntimeDirectory"].startswith("vllm-tap")
+        assert settings["User"].startswith("vllm-tap") and settings["RuntimeDirectory"].startswith("vllm-tap")
+        # The access model (issue 12): the daemon is in the ring group and the readers' group, and says
+        # which they are so that it can check rings and hand the socket to the readers.
+        user = settings["User"]
+        assert settings["SupplementaryGroups"].split() == [f"{user}-rings", f"{user}-readers"]
+        assert f"VLLM_TAP_RING_GROUP={user}-rings" in text and f"VLLM_TAP_SOCKET_GROUP={user}-readers" in text
+        assert f"-g {user}-rings" in settings["ExecStartPre"] and "test -e" in settings["ExecStartPre"]
+        assert settings["StateDirectoryMode"] == "0700" and settings["RuntimeDirectoryMode"] == "0750"
         assert settings["ReadWritePaths"].startswith("/dev/shm/vllm-tap")
         assert int(settings["LimitNOFILE"]) >= 65536  # libzmq aborts when accept() meets EMFILE
         assert settings["StateDirectory"].startswith("vllm-tap")  # the sequence counter outlives restarts
@@ -510,6 +517,10 @@ def test_sysusers_and_tmpfiles_apply_to_a_scratch_root(tmp_path):
                            text=True, timeout=30)
         assert p.returncode == 0, p.stderr
     passwd = (tmp_path / "etc" / "passwd").read_text()
-    uid, gid = map(int, re.search(r"^vllm-tap:x:(\d+):(\d+):", passwd, re.M).groups())
+    group = (tmp_path / "etc" / "group").read_text()
+    uid = int(re.search(r"^vllm-tap:x:(\d+):", passwd, re.M).group(1))
+    rings = re.search(r"^vllm-tap-rings:x:(\d+):(.*)$", group, re.M)
+    readers = re.search(r"^vllm-tap-readers:x:(\d+):(.*)$", group, re.M)
+    assert rings.group(2).split(",") == ["vllm-tap"] and readers.group(2).split(",") == ["vllm-tap"]
     st = (tmp_path / "dev" / "shm" / "vllm-tap").stat()
-    assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o2770, uid, gid)
+    assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o2770, uid, int(rings.group(1)))

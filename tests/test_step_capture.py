@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView
+from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView, topk_rows
 from vllm_tap.hooks.publisher import HostBackend, Publisher, StagedPublisher, StagingRing
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
 from vllm_tap.ring import RingReader, RingWriter
@@ -60,11 +60,17 @@ class Step:
         s = self.specs[i]
         return None if s is None else {SPEC_EXTRA_ARG: s.to_meta()}
 
+    def learn(self, core, extra=None):
+        """Admit the step's requests to the core, as a runner adapter does (extra: override of
+        request i's extra_args)."""
+        for i, rid in enumerate(self.req_ids):
+            core.learn(rid, self.extra(i) if extra is None else extra(i), int(self.prompt[i]))
+        return core
+
     def view(self, **kw) -> StepView:
         args = dict(req_ids=self.req_ids, query_start=self.qsl, computed=self.computed,
                     token_ids=self.ids if self.ids_on_device else self.ids.numpy(), hidden=self.hidden,
-                    aux=self.aux, logits=self.logits, compute_logits=self.compute_logits,
-                    describe=lambda i: (self.extra(i), int(self.prompt[i])))
+                    aux=self.aux, logits=self.logits, compute_logits=self.compute_logits)
         args.update(kw)
         return StepView(**args)
 
@@ -88,8 +94,10 @@ class Step:
                     got["logits"][p] = lg.numpy()
                 elif spec.logits == LogitsMode.TOPK:
                     got["topk_ids"][p] = torch.topk(lg, spec.topk).indices.numpy()
+                    got["logsumexp"][p] = torch.logsumexp(lg, -1, keepdim=True).numpy()
                 elif spec.logits == LogitsMode.INDICES:
                     got["chosen"][p] = lg[list(spec.indices)].numpy()
+                    got["logsumexp"][p] = torch.logsumexp(lg, -1, keepdim=True).numpy()
                 for layer in spec.layers:
                     got[f"hidden.{layer}"][p] = self.aux[LAYERS.index(layer)][row].numpy()
             out[rid] = got
@@ -173,7 +181,7 @@ def test_a_mixed_step_is_read_back_per_request_exactly(ring, staged, ids_on_devi
     wherever the token ids live (a tensor's are gathered like the payload)."""
     writer = ring()
     st = Step(SPECS, SCHEDULED, COMPUTED, PROMPT, ids_on_device=ids_on_device)
-    core = make_core(writer, staged=staged, max_record_bytes=max_record_bytes)
+    core = st.learn(make_core(writer, staged=staged, max_record_bytes=max_record_bytes))
     try:
         core.capture(st.view())
         finish(core)
@@ -188,19 +196,78 @@ def test_a_mixed_step_is_read_back_per_request_exactly(ring, staged, ids_on_devi
     (p2,) = want["r2"]["topk_ids"]
     full = st.compute_logits(st.hidden[st.qsl[3] - 1])
     np.testing.assert_allclose(got["r2"]["topk_values"][p2], full[torch.topk(full, 3).indices].numpy(), atol=1e-5)
-    assert parts == {"r0": 3, "r2": 2, "r3": 2, "r4": 2, "r5": 3, "r6": 3}
+    # ... and with the row's logsumexp they are its exact log-probabilities.
+    logprobs = torch.log_softmax(full, -1)[torch.topk(full, 3).indices].numpy()
+    np.testing.assert_allclose(got["r2"]["topk_values"][p2] - got["r2"]["logsumexp"][p2], logprobs, atol=1e-5)
+    assert parts == {"r0": 3, "r2": 3, "r3": 2, "r4": 3, "r5": 3, "r6": 3}
     if max_record_bytes is None:
-        # One record per tensor for the whole step: logits, hidden.2, hidden.5, top-k ids + values, chosen.
-        assert n_records == 6
+        # One record per tensor for the whole step: logits, hidden.2, hidden.5, top-k ids + values,
+        # chosen, and a logsumexp beside each of the last two (their requests differ).
+        assert n_records == 8
     else:
-        assert n_records > 6
+        assert n_records > 8
+
+
+@pytest.mark.parametrize("vocab", [50, 1000, 32000, 32011])
+def test_top_k_through_group_maxima_is_torch_topk(vocab):
+    """The CPU top-k (group maxima, then candidates) gives torch.topk's values, and its ids where the
+    values are distinct; ties, -inf and a vocabulary that is not a multiple of the stripes included."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g)
+    x[1] = 0.0  # all tied
+    x[2, : vocab // 2] = float("-inf")
+    x[3, -5:] = 100.0 + torch.arange(5.0)  # the largest in the tail past the last whole stripe
+    x[4] = torch.round(x[4] * 2) / 2  # many ties
+    for k in (1, 5, 20):
+        values, ids = topk_rows(x, k)
+        want = torch.topk(x, k, dim=-1, sorted=True)
+        assert torch.equal(values, want.values)
+        assert torch.equal(torch.gather(x, 1, ids), values), "each id holds its value"
+        assert all(len(set(r.tolist())) == k for r in ids), "ids are distinct"
+        distinct = [0, 3, 5, 6, 7, 8]
+        assert torch.equal(ids[distinct], want.indices[distinct])
+        # Rows sliced out of a larger batch (a view with a storage offset), as a decode step's are.
+        assert torch.equal(topk_rows(x[5:8], k)[1], want.indices[5:8])
+
+
+def test_top_k_requests_with_different_k_share_one_pass_and_get_their_own_rows(ring):
+    """Requests asking top-3, top-5 and chosen ids in one step (one gather, one top-k at k=5, one
+    logsumexp): each gets exactly its own rows, and logit - logsumexp is log_softmax."""
+    writer = ring()
+    specs = [CaptureSpec(logits=LogitsMode.TOPK, topk=3, layers=()), None,
+             CaptureSpec(logits=LogitsMode.TOPK, topk=5, layers=()),
+             CaptureSpec(logits=LogitsMode.INDICES, indices=(4, 9), layers=()),
+             CaptureSpec(logits=LogitsMode.TOPK, topk=3, layers=())]
+    st = Step(specs, [3, 1, 1, 2, 1], [0, 7, 9, 1, 4], [3, 8, 6, 3, 3])
+    core = st.learn(make_core(writer))
+    try:
+        core.capture(st.view())
+        got, _, drops, _ = read(writer.path)
+    finally:
+        core.close()
+    assert not drops
+    want = st.expected()
+    assert_matches(got, want)
+    all_logits = st.hidden @ st.weight.T
+    for i, rid in enumerate(st.req_ids):
+        if specs[i] is None:
+            continue
+        for p, lse in got[rid]["logsumexp"].items():
+            row = all_logits[int(st.qsl[i]) + p - int(st.computed[i])]
+            logp = torch.log_softmax(row, -1)
+            if specs[i].logits == LogitsMode.TOPK:
+                ids = got[rid]["topk_ids"][p]
+                assert len(ids) == specs[i].topk
+                np.testing.assert_allclose(got[rid]["topk_values"][p] - lse, logp[ids].numpy(), atol=1e-5)
+            else:
+                np.testing.assert_allclose(got[rid]["chosen"][p] - lse, logp[[4, 9]].numpy(), atol=1e-5)
 
 
 def test_the_core_imports_no_vllm():
     """The core runs with torch alone: capture a step in a fresh interpreter, then look."""
     code = (
         "import sys, torch, numpy as np\n"
-        "from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView\n"
+        "from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView, topk_rows\n"
         "from vllm_tap.hooks.publisher import Publisher\n"
         "from vllm_tap.hooks.settings import SPEC_EXTRA_ARG\n"
         "from vllm_tap.ring import RingWriter, RingReader\n"
@@ -234,7 +301,7 @@ def test_a_request_computed_past_its_end_is_written_at_its_true_position(ring):
     specs = [CaptureSpec(layers=LAYERS), CaptureSpec(layers=LAYERS)]
     # Batch of two decodes: r0 finished last step (its row is one past its end), r1 still running.
     st = Step(specs, [1, 1], [end_position, 7], [n_prompt, 5], seed=3, ids_on_device=True)
-    core = make_core(writer)
+    core = st.learn(make_core(writer))
     try:
         core.capture(st.view())
         got, _, _, _ = read(writer.path)
@@ -257,11 +324,10 @@ def test_a_malformed_spec_means_no_capture_for_that_request_only(ring):
     st = Step([CaptureSpec(layers=LAYERS), CaptureSpec(layers=LAYERS)], [3, 1], [0, 4], [3, 3])
     bad = {0: {SPEC_EXTRA_ARG: "x"}, 1: {SPEC_EXTRA_ARG: {"logits": "nope"}}}
     for kind in bad.values():
-        core = make_core(writer)
-        view = st.view(describe=lambda i, kind=kind: (kind if i == 0 else st.extra(i), int(st.prompt[i])))
-        core.capture(view)  # no exception
+        core = st.learn(make_core(writer), extra=lambda i, kind=kind: kind if i == 0 else st.extra(i))  # no exception
+        core.capture(st.view())
         got, _, _, _ = read(writer.path)
-        assert core.requests["r0"] is None and set(got) == {"r1"}
+        assert "r0" not in core.requests and set(got) == {"r1"}
         core.close()
 
 
@@ -273,7 +339,7 @@ def test_every_tp_rank_runs_the_extra_lm_head_pass_even_with_nothing_to_write(ri
     st = Step([spec], [4], [0], [8])
     counts = {}
     for tp_rank in (0, 1):
-        core = make_core(writer, place=RankPlace(tp_rank=tp_rank, tp_size=2, stage_layers=(LAYERS,)))
+        core = st.learn(make_core(writer, place=RankPlace(tp_rank=tp_rank, tp_size=2, stage_layers=(LAYERS,))))
         st.lm_calls = 0
         core.capture(st.view())
         counts[tp_rank] = st.lm_calls
@@ -288,7 +354,7 @@ def test_states_now_logits_later_is_the_same_as_all_at_once(ring):
     results = []
     for split in (False, True):
         writer = ring()
-        core = make_core(writer)
+        core = st.learn(make_core(writer))
         if split:
             step = core.begin(st.view(logits=None))
             step.write_states()
@@ -306,7 +372,7 @@ def test_states_now_logits_later_is_the_same_as_all_at_once(ring):
 def test_logits_that_never_come_are_reported_as_dropped(ring):
     writer = ring()
     st = Step([CaptureSpec(layers=LAYERS)], [3], [0], [3])
-    core = make_core(writer)
+    core = st.learn(make_core(writer))
     step = core.begin(st.view(logits=None))
     step.write_states()
     core.end(step)  # the runner never called sample()
@@ -322,7 +388,7 @@ def test_a_step_failing_half_way_publishes_nothing_and_the_ring_goes_on(ring, st
     keeps publishing in order), the step's rows are reported lost, and the next step is whole."""
     writer = ring()
     st = Step(SPECS, SCHEDULED, COMPUTED, PROMPT)
-    core = make_core(writer, staged=staged)
+    core = st.learn(make_core(writer, staged=staged))
     boom = st.view(aux=[st.aux[0], None])  # hidden.5 fails after hidden.2 was reserved
     with pytest.raises(Exception):
         core.capture(boom)
@@ -367,6 +433,7 @@ def test_staged_publisher_commits_only_after_the_copy_and_drops_when_staging_is_
         steps = [Step(specs, [1] * 4, [10 + k] * 4, [5] * 4, seed=k) for k in range(3)]
         for st in steps:
             st.computed = np.array([10 + steps.index(st)] * 4, np.int32)
+            st.learn(core)
             core.capture(st.view())
         assert core.publisher.staging_drops == 3  # the third step's logits, hidden.2, hidden.5
         gate.set()
@@ -397,7 +464,7 @@ def test_staged_copies_happen_after_the_step_returns(ring):
                        model_dtype=torch.float32)
     try:
         st = Step([CaptureSpec(layers=LAYERS)], [3], [0], [3])
-        core.capture(st.view())
+        st.learn(core).capture(st.view())
         reader = RingReader(writer.path)
         assert reader.poll() == []
         gate.set()

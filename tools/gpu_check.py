@@ -128,8 +128,9 @@ def run_scenario(sc: Scenario, vocab: int, hidden: int, device, shm: str, ring_b
     prompt = 4096 if sc.rows_per_request == 1 else sc.rows_per_request
     computed = np.full(sc.batch, prompt if sc.rows_per_request == 1 else 0, np.int32)
     req_ids = [f"{sc.name}-{i}" for i in range(sc.batch)]
-    view = StepView(req_ids, qsl, computed, ids, hid, aux, logits, lm_head,
-                    describe=lambda i: (spec, prompt))
+    for rid in req_ids:
+        core.learn(rid, spec, prompt)
+    view = StepView(req_ids, qsl, computed, ids, hid, aux, logits, lm_head)
     reader = RingReader(writer.path)
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -169,8 +170,9 @@ def run_scenario(sc: Scenario, vocab: int, hidden: int, device, shm: str, ring_b
                 if cuda:
                     stream_us.append(a.elapsed_time(b) * 1e3)
             computed += sc.rows_per_request if sc.rows_per_request == 1 else 0
-            if sc.rows_per_request > 1:  # the same chunk again: forget so it is described afresh
-                core.requests.clear()
+            if sc.rows_per_request > 1:  # the same chunk again: admitted afresh
+                for rid in req_ids:
+                    core.learn(rid, spec, prompt)
     finally:
         reader.close()
         core.close()

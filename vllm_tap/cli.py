@@ -10,17 +10,18 @@ from typing import Any, Callable
 import click
 import numpy as np
 
+from vllm_tap.cli_keys import key_options
 from vllm_tap.client.stream import ENDPOINT_ENV
 from vllm_tap.daemon.cli_options import config_options
 
 
 def endpoint_option(f: Callable) -> Callable:
-    """The one --endpoint option every command shares."""
+    """The one --endpoint option every command shares (with the CURVE key options)."""
     return click.option(
         "--endpoint", envvar=ENDPOINT_ENV, default=None, metavar="URL",
         help=f"ZeroMQ endpoint of the daemon (ipc://PATH or tcp://HOST:PORT); default ${ENDPOINT_ENV}, "
              "else the daemon's default socket.",
-    )(f)
+    )(key_options(f))
 
 
 def _fail(message: str) -> None:
@@ -28,7 +29,17 @@ def _fail(message: str) -> None:
     raise click.ClickException(message)
 
 
-@click.group()
+class _Main(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        from vllm_tap.client.errors import KeyFileError
+
+        try:
+            return super().invoke(ctx)
+        except KeyFileError as e:  # unusable --server-key / --client-key, from whichever command
+            raise click.ClickException(str(e)) from None
+
+
+@click.group(cls=_Main)
 @click.version_option(package_name="vllm-tap")
 def main() -> None:
     """Tap raw logits and hidden states out of a running vLLM."""
@@ -298,6 +309,29 @@ def status(endpoint: str | None, as_json: bool, timeout: float) -> None:
     except TapError as e:
         _fail(str(e))
     click.echo(json.dumps(s, indent=2, sort_keys=True) if as_json else _status_text(s))
+
+
+# -- keygen --
+
+
+@main.command()
+@click.argument("directory")
+@click.option("--name", default="client", show_default=True,
+              help="File names: NAME.key (public) and NAME.key_secret (the pair). `server` for the daemon's.")
+def keygen(directory: str, name: str) -> None:
+    """Make a CURVE key pair in DIRECTORY: NAME.key (public, to hand out) and NAME.key_secret (keep private).
+
+    The daemon uses server.key_secret (curve_key) and allows the clients whose NAME.key files are in its
+    curve_clients directory; a client passes --server-key server.key --client-key NAME.key_secret.
+    """
+    from vllm_tap.keys import KeygenError, make_keys
+
+    try:
+        public_path, secret_path, public = make_keys(directory, name)
+    except KeygenError as e:
+        _fail(str(e))
+    click.echo(f"public key {public}\nwrote {public_path} (public: give it out)\n"
+               f"wrote {secret_path} (secret: mode 0600, keep it private)")
 
 
 # -- record, export (datasets; vllm_tap.dataset_cli) --

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import click
 
 from vllm_tap import dataset_format as df
+from vllm_tap.cli_keys import key_options
 
 log = logging.getLogger("vllm_tap.record")
 
@@ -167,6 +168,7 @@ def _vllm_version() -> str | None:
 @click.option("--storage-option", "storage_option", multiple=True, metavar="KEY=VALUE",
               help="fsspec option for DEST (repeatable), e.g. endpoint_url=http://127.0.0.1:9000 anon=false.")
 @click.option("--endpoint", envvar="VLLM_TAP_ENDPOINT", default=None, metavar="URL", help="The daemon's endpoint.")
+@key_options
 @click.option("--quiet", is_flag=True, help="No progress line; log lines only.")
 def record(dest: str, writer: str | None, file_format: str, compression: str, tensor_compression: str, shard_size: int, shard_age: float | None,
            staging: str | None, max_bytes: int | None, max_captures: int | None, duration: float | None,

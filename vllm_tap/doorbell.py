@@ -1,10 +1,12 @@
 """A wake-up from ring writers to the daemon, so it need not poll the rings on a timer.
 
 The daemon binds a Unix datagram socket in the shm directory; a writer sends it one byte after it
-commits records. Nothing but the wake-up goes through it (the records stay in the rings), and a
+commits records, if the daemon said in the ring's header that it is about to sleep (the waiting
+flag, ring_format.READER_WAITING_OFFSET): a busy daemon is not rung, so under load a commit costs
+no system call. Nothing but the wake-up goes through it (the records stay in the rings), and a
 writer never waits for it: the send is non-blocking, and when no daemon listens (or its queue is
 full, or the socket is not ours to write) the byte is simply not sent. The daemon still reads
-every ring at least every few milliseconds, so a missed wake-up costs latency, never data.
+every ring at least every tick (50 ms), so a missed wake-up costs latency, never data.
 """
 
 from __future__ import annotations

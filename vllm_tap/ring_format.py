@@ -13,8 +13,10 @@ import struct
 
 import numpy as np
 
-RING_FORMAT_VERSION = 3  # 2: DATA records carry rows of several requests (a request table)
+RING_FORMAT_VERSION = 4  # 2: DATA records carry rows of several requests (a request table)
 # 3: request table entries also carry the capture's first expected position, tail length and source
+# 4: the reader's waiting flag (READER_WAITING_OFFSET): writers ring the doorbell only while it is set;
+#    LOGSUMEXP records beside top-k and chosen-index records
 RING_MAGIC = b"VLLMTAP\x00"
 RING_SUFFIX = ".ring"
 
@@ -44,6 +46,15 @@ STATS_FIELDS = (
     #                     backlog was full: the reader cannot see them; LIVE records cover BEGIN/END
 )
 assert STATS_OFFSET + 8 * len(STATS_FIELDS) <= STATS_OFFSET + ALIGN
+# The reader's waiting flag, a u64 on its own cache line: the daemon sets it (1) before it blocks
+# and clears it when it wakes; a writer that commits while it is set clears it and rings the
+# doorbell (vllm_tap.doorbell). So a writer makes the system call only when the daemon sleeps: under
+# load, when the daemon is busy reading, a commit costs no syscall. The race (a commit just as the
+# daemon goes to sleep) is closed like a futex: the daemon sets the flag, then re-reads the write
+# cursors, then blocks; the writer stores its cursor, then reads the flag; each side has a full
+# barrier between its store and its load (a locked instruction: a lock release). Whatever slips
+# through costs the daemon's backstop timer in latency, never data.
+READER_WAITING_OFFSET = 320
 # Reader liveness: pid and last poll time, so `status` can tell a stalled daemon.
 READER_OFFSET = 384
 _READER = struct.Struct("<IIQ")  # reader pid, pad, last_read_ns
@@ -82,6 +93,8 @@ class TensorKind(enum.IntEnum):
     TOPK_IDS = 3  # [n, k] token ids, sorted by value descending
     TOPK_VALUES = 4  # [n, k] logits at TOPK_IDS
     CHOSEN = 5  # [n, len(indices)] logits at the request's chosen token indices
+    LOGSUMEXP = 6  # [n, 1] float32: log sum exp of the whole raw logit row (format 4), written beside
+    #                TOPK_* and CHOSEN so that logit - logsumexp is the exact log-probability
 
 
 # Names used in client records and on the wire for each tensor kind.
@@ -91,6 +104,7 @@ TENSOR_NAMES = {
     TensorKind.TOPK_IDS: "topk_ids",
     TensorKind.TOPK_VALUES: "topk_values",
     TensorKind.CHOSEN: "chosen",
+    TensorKind.LOGSUMEXP: "logsumexp",
 }
 
 
