@@ -63,6 +63,25 @@ def _check_default_dir(path: str) -> None:
         os.close(fd)
 
 
+def decode_chunk(h: dict[str, Any], frames: Sequence[Any], arena: ArenaUse | None = None) -> Chunk | None:
+    """A tokens message's Chunk (arrays from its frames, or copied out of the daemon's arena); None
+    when its arena regions were reused before they were copied."""
+    try:
+        if "arena" in h and arena is not None:
+            tensors = arena.tensors(h)
+            if tensors is None:
+                return None
+        else:
+            tensors = wf.read_tensors(h.get("tensors", []), frames)
+    except wf.WireError as e:
+        raise ProtocolError(e.message) from None
+    except ValueError as e:
+        raise ProtocolError(str(e)) from None
+    ids = np.frombuffer(h["token_ids"], "<i4")
+    return Chunk.from_tensors(h["request_id"], int(h["start"]), ids, int(h.get("num_prompt_tokens", 0)),
+                              {n: widen(code, a) for n, (code, a) in tensors.items()})
+
+
 class StreamState:
     def __init__(self, endpoint: str, name: str, index: int | None, instance: str | None, timeout: float,
                  heartbeat_s: float = HEARTBEAT_S):
@@ -178,23 +197,11 @@ class StreamState:
         start, count, rid = int(h["start"]), int(h["count"]), h["request_id"]
         if self.next_position is not None and start + count <= self.next_position:
             return []
-        try:
-            if "arena" in h:
-                arena_tensors = self.arena.tensors(h)
-                if arena_tensors is None:  # copied too late: the daemon had reused the region
-                    at = start if self.next_position is None else max(start, self.next_position)
-                    self.lost = self.lost.union([range(at, start + count)])
-                    return self._gap(rid, start, start + count, OVERWRITTEN)
-                tensors = arena_tensors
-            else:
-                tensors = wf.read_tensors(h.get("tensors", []), frames)
-        except wf.WireError as e:
-            raise ProtocolError(e.message) from None
-        except ValueError as e:
-            raise ProtocolError(str(e)) from None
-        ids = np.frombuffer(h["token_ids"], "<i4")
-        chunk = Chunk.from_tensors(rid, start, ids, int(h.get("num_prompt_tokens", 0)),
-                                   {n: widen(code, a) for n, (code, a) in tensors.items()})
+        chunk = decode_chunk(h, frames, self.arena)
+        if chunk is None:  # copied too late: the daemon had reused the region
+            at = start if self.next_position is None else max(start, self.next_position)
+            self.lost = self.lost.union([range(at, start + count)])
+            return self._gap(rid, start, start + count, OVERWRITTEN)
         at, out = self._advance(start, start + count, rid)
         self.next_position = start + count
         out.append(chunk.cut(at))

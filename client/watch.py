@@ -42,7 +42,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator, Sequence, Union
 
-import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -51,7 +50,8 @@ from vllm_tap.positions import PositionRanges
 
 from vllm_tap.client.arena import OVERWRITTEN, ArenaUse
 from vllm_tap.client.errors import DaemonUnavailable, ProtocolError, TapError, error_for
-from vllm_tap.client.records import Capture, CaptureBegin, CaptureBuilder, CaptureEnd, Chunk, Gap, widen
+from vllm_tap.client.records import Capture, CaptureBegin, CaptureBuilder, CaptureEnd, Chunk, Gap
+from vllm_tap.client.stream import decode_chunk
 
 log = logging.getLogger(__name__)
 
@@ -196,25 +196,6 @@ def _begin(h: dict[str, Any]) -> CaptureBegin:
     )
 
 
-def _chunk(h: dict[str, Any], frames: Sequence[Any], arena: ArenaUse | None = None) -> Chunk | None:
-    """The message's chunk; None when its arrays were in arena regions reused before they were copied."""
-    try:
-        if "arena" in h and arena is not None:
-            got = arena.tensors(h)
-            if got is None:
-                return None
-            tensors = got
-        else:
-            tensors = wf.read_tensors(h.get("tensors", []), frames)
-    except wf.WireError as e:
-        raise ProtocolError(e.message) from None
-    except ValueError as e:
-        raise ProtocolError(str(e)) from None
-    ids = np.frombuffer(h["token_ids"], "<i4")
-    return Chunk.from_tensors(h["request_id"], int(h["start"]), ids, int(h.get("num_prompt_tokens", 0)),
-                              {n: widen(code, a) for n, (code, a) in tensors.items()})
-
-
 def _end(h: dict[str, Any]) -> CaptureEnd:
     expected = tuple(h["expected"]) if h.get("expected") else None
     return CaptureEnd(
@@ -332,7 +313,7 @@ class WatchState:
         if t == wf.BEGIN:
             return self._on_begin(seq, _begin(h))
         if t == wf.TOKENS:
-            chunk = _chunk(h, frames[1:], self.arena)
+            chunk = decode_chunk(h, frames[1:], self.arena)
             if chunk is None:  # copied too late: the daemon had reused the region
                 start, stop = int(h["start"]), int(h["start"]) + int(h["count"])
                 self._overwritten[seq] = self._overwritten.get(seq, PositionRanges()).union([range(start, stop)])
