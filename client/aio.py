@@ -16,7 +16,7 @@ from vllm_tap.client.auth import client_keys, keyed_context
 from vllm_tap.client.errors import DaemonUnavailable, Refused
 from vllm_tap.client.records import Capture, CaptureBuilder, Chunk, Gap, Item
 from vllm_tap.client.stream import (
-    HEARTBEAT_S, RECONNECT_IVL_MAX_MS, REFUSAL_EVENTS, StreamState, SubscriptionView, refusal, refused_message, resolve_endpoint,
+    HEARTBEAT_S, RECONNECT_IVL_MAX_MS, REFUSAL_EVENTS, StreamState, SubscriptionView, close_monitored, refusal, refused_message, resolve_endpoint,
     unanswered, uses_curve,
 )
 from vllm_tap.client.sync import RCVHWM, parse_status
@@ -61,7 +61,7 @@ class AsyncSubscription(SubscriptionView):
                     sock.send_multipart(st.cancel(), flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
-            _close(sock, mon)
+            close_monitored(sock, mon)
 
 
 def _dealer(ctx: zmq.asyncio.Context) -> zmq.asyncio.Socket:
@@ -77,15 +77,6 @@ async def _check_refused(mon: zmq.asyncio.Socket, endpoint: str) -> None:
         status = refusal(parse_monitor_message(await mon.recv_multipart()))
         if status is not None:
             raise Refused(refused_message(endpoint, status, uses_curve(mon)))
-
-
-def _close(sock: zmq.asyncio.Socket, mon: zmq.asyncio.Socket) -> None:
-    try:
-        sock.disable_monitor()
-    except zmq.ZMQError:
-        pass
-    mon.close(linger=0)
-    sock.close(linger=0)
 
 
 async def _send(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
@@ -138,4 +129,4 @@ class AsyncClient:
                 raise DaemonUnavailable(unanswered(self.endpoint, timeout, self.keys is not None))
             return parse_status(await sock.recv_multipart())
         finally:
-            _close(sock, mon)
+            close_monitored(sock, mon)

@@ -21,6 +21,7 @@ import zmq
 import zmq.auth
 
 from vllm_tap.client.errors import KeyFileError
+from vllm_tap.keys import load_pair
 
 SERVER_KEY_ENV = "VLLM_TAP_SERVER_KEY"
 CLIENT_KEY_ENV = "VLLM_TAP_CLIENT_KEY"
@@ -54,12 +55,9 @@ def _server_public(value: str) -> bytes:
 
 def _client_pair(path: str) -> tuple[bytes, bytes]:
     try:
-        public, secret = zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as e:
+        return load_pair(path)
+    except ValueError as e:
         raise KeyFileError(f"client key {path}: {e}") from None
-    if not secret:
-        raise KeyFileError(f"client key {path} holds no secret key: give the `.key_secret` file, not the `.key` one")
-    return public, secret
 
 
 def client_keys(server_key: str | None = None, client_key: str | None = None,

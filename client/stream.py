@@ -244,6 +244,16 @@ REFUSAL_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PR
 MECHANISM_MISMATCH = zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
 
 
+def close_monitored(sock: zmq.Socket, mon: zmq.Socket) -> None:
+    """Close a socket and the monitor watching it for refusals (blocking or asyncio sockets)."""
+    try:
+        sock.disable_monitor()
+    except zmq.ZMQError:
+        pass
+    mon.close(linger=0)
+    sock.close(linger=0)
+
+
 def refused_message(endpoint: str, status: int, curve: bool = False) -> str:
     """`curve`: this client used CURVE keys (a key the daemon does not allow is refused with 400 too)."""
     if curve and status == 400:

@@ -15,7 +15,7 @@ from vllm_tap.client.auth import client_keys, keyed_context
 from vllm_tap.client.errors import DaemonUnavailable, ProtocolError, Refused, error_for
 from vllm_tap.client.records import Capture, CaptureBuilder, Chunk, Gap, Item
 from vllm_tap.client.stream import (
-    HEARTBEAT_S, RECONNECT_IVL_MAX_MS, REFUSAL_EVENTS, StreamState, SubscriptionView, refusal, refused_message, resolve_endpoint,
+    HEARTBEAT_S, RECONNECT_IVL_MAX_MS, REFUSAL_EVENTS, StreamState, SubscriptionView, close_monitored, refusal, refused_message, resolve_endpoint,
     unanswered, uses_curve,
 )
 from vllm_tap.client.watch import WATCH_HEARTBEAT_S, WATCH_TIMEOUT_S, Watch, watch_state
@@ -64,7 +64,7 @@ class Subscription(SubscriptionView):
         finally:
             if not st.done:
                 _send(sock, st.cancel())
-            _close(sock, mon)
+            close_monitored(sock, mon)
             self._sock = None
 
     def close(self) -> None:
@@ -92,15 +92,6 @@ def _check_refused(mon: zmq.Socket, endpoint: str) -> None:
         status = refusal(recv_monitor_message(mon))
         if status is not None:
             raise Refused(refused_message(endpoint, status, uses_curve(mon)))
-
-
-def _close(sock: zmq.Socket, mon: zmq.Socket) -> None:
-    try:
-        sock.disable_monitor()
-    except zmq.ZMQError:
-        pass
-    mon.close(linger=0)
-    sock.close(linger=0)
 
 
 def _send(sock: zmq.Socket, frames: list[bytes]) -> None:
@@ -170,7 +161,7 @@ class Client:
                 raise DaemonUnavailable(unanswered(self.endpoint, timeout, self.keys is not None))
             return parse_status(sock.recv_multipart())
         finally:
-            _close(sock, mon)
+            close_monitored(sock, mon)
 
     def close(self) -> None:
         pass  # sockets live per subscription; the shared context outlives clients

@@ -24,6 +24,7 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
+from vllm_tap.keys import load_pair
 from vllm_tap.safe_paths import UnsafePath, me, user_name
 
 log = logging.getLogger(__name__)
@@ -54,12 +55,9 @@ def _check_private(path: str, *, what: str, secret: bool) -> None:
 def load_secret(path: str, what: str = "CURVE secret certificate") -> tuple[bytes, bytes]:
     """(public, secret) z85 keys of a `.key_secret` file."""
     try:
-        public, secret = zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as e:
+        return load_pair(path)
+    except ValueError as e:
         raise CurveError(f"{what} {path}: {e}") from None
-    if not secret:
-        raise CurveError(f"{what} {path} holds no secret key (it is a public `.key` file; use the `.key_secret` one)")
-    return public, secret
 
 
 class CurveServer:

@@ -18,6 +18,18 @@ class KeygenError(RuntimeError):
     """One line: why no key pair was written."""
 
 
+def load_pair(path: str) -> tuple[bytes, bytes]:
+    """(public, secret) z85 keys of a NAME.key_secret file; ValueError, one line without the path,
+    when it cannot be read or holds no secret key (a NAME.key file given by mistake)."""
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(str(e)) from None
+    if not secret:
+        raise ValueError("holds no secret key: give the `.key_secret` file, not the `.key` one")
+    return public, secret
+
+
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
