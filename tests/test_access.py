@@ -336,6 +336,9 @@ def test_rings_and_directories_looser_than_configured_are_refused_and_counted(wo
         assert time.monotonic() < deadline, (s["rings_refused"], s["dirs_refused"], a.log_text()[-3000:])
         time.sleep(0.2)
     assert ("loose", "rank-00000.ring") not in {(x["instance"], x["name"]) for x in s["rings"]}
+    human = _as(a.reader, "-m", "vllm_tap.cli", "status", "--endpoint", a.endpoint)
+    assert human.returncode == 0, human.stderr
+    assert f"rings refused: {s['rings_refused']}" in human.stdout and f"dirs refused: {s['dirs_refused']}" in human.stdout
     log = a.log_text()
     assert log.count("instance directory /dev/shm") == 1 and "open" in log and "looser than" in log
     assert "rank-00000.ring" in log and "mode 0666 is looser than 0660" in log

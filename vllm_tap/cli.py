@@ -263,8 +263,10 @@ def _status_text(s: dict[str, Any]) -> str:
             f"in flight: {_mib(s['inflight_bytes'])} of {_mib(s['inflight_budget'])}   cut: {s['captures_cut']}   "
             f"ends lost: {s['reassembly'].get('ends_lost', 0)}   writers exited: {s['writers_exited']}",
             f"rejected records: {s['rejected_records']}   corrupt: {s['corrupt_records']}   rings refused: "
-            f"{s['rings_refused']}   rings broken: {s['rings_broken']}   discovery: {s['discovery']}",
+            f"{s['rings_refused']}   dirs refused: {s.get('dirs_refused', 0)}   rings broken: {s['rings_broken']}"
+            f"   discovery: {s['discovery']}",
             f"connections: {c['open']} open from {c['peers']} peers, {c['refused']} refused"
+            f" ({c.get('refused_key', 0)} for their key)"
             f"{', NOT ACCEPTING (descriptor limit)' if c['accept_paused'] else ''}   subscriptions refused: "
             f"{s['subscriptions_refused']}",
         ]
