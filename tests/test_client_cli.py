@@ -105,7 +105,13 @@ def test_cli_daemon_exits_zero_on_sigint(daemon_proc):
 def test_iteration_yields_records_per_position_and_gaps_in_order(daemon_proc, shm_dir):
     sc = Scenario(tp=1, n_requests=1, ring_bytes=4096, vocab=128, layers=(0,))
     eng = SyntheticEngine(sc, shm_dir)
-    eng.run()  # the small ring overflows before the daemon reads: some positions are dropped
+    # The daemon is held still while the engine writes, so the small ring overflows for sure (a
+    # quick daemon could otherwise drain it between steps): some positions are dropped.
+    daemon_proc.proc.send_signal(signal.SIGSTOP)
+    try:
+        eng.run()
+    finally:
+        daemon_proc.proc.send_signal(signal.SIGCONT)
     assert eng.dropped and eng.flush(10)
     sub = daemon_proc.client().subscribe(sc.request_id(0), timeout=10)
     items = list(sub)
