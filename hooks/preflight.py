@@ -6,6 +6,8 @@ worker has loaded the model:
   - hidden-state layers need the model's auxiliary hidden-state outputs (the EAGLE-3 interface):
     the model class is resolved through vLLM's model registry, which imports its module but loads
     no weights;
+  - the shm directory is made, or checked when it exists, by the rings' rules (not a link, not
+    someone else's, not open to others): a squatted directory stops start-up here;
   - the rings are reserved whole when created (RingWriter), so the shm directory's file system
     must have room for all of them: one ring of `ring_bytes` per worker rank of every engine
     started here, plus each engine's control ring.
@@ -18,7 +20,8 @@ import logging
 from vllm_tap import ring_format as rf
 from vllm_tap.hooks.engine_events import ENGINE_RING_BYTES
 from vllm_tap.hooks.settings import TapConfigError
-from vllm_tap.ring import free_bytes
+from vllm_tap.ring import ensure_shm_dir, free_bytes
+from vllm_tap.safe_paths import UnsafePath
 from vllm_tap.spec import ServerCaptureConfig
 
 log = logging.getLogger("vllm_tap.hooks")
@@ -29,7 +32,18 @@ def check(vllm_config, cfg: ServerCaptureConfig | None) -> None:
     if cfg is None:
         return
     check_model(vllm_config, cfg)
+    check_shm_dir(cfg)
     check_shm_space(vllm_config, cfg)
+
+
+def check_shm_dir(cfg: ServerCaptureConfig) -> None:
+    """The shm directory made or found safe here, in seconds, rather than by each engine after start-up."""
+    try:
+        ensure_shm_dir(cfg.shm_dir, cfg.group)
+    except UnsafePath as e:
+        raise TapConfigError(f"vllm-tap: {e}") from None
+    except OSError as e:
+        raise TapConfigError(f"vllm-tap: cannot make the shm directory {cfg.shm_dir}: {e}") from None
 
 
 def check_model(vllm_config, cfg: ServerCaptureConfig) -> None:

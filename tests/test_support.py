@@ -73,3 +73,21 @@ def test_a_ring_that_cannot_be_made_stops_start_up_in_one_line(tmp_path):
     with pytest.raises(TapConfigError) as e:
         open_ring(cfg, config(), RankPlace())
     assert "cannot create the ring" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_squatted_shm_directory_stops_start_up_in_the_api_process(tmp_path):
+    """Before any engine starts (hooks/preflight.py): an shm directory open to everyone, or a link,
+    is refused in one line naming it; a missing one is made private."""
+    from vllm_tap.hooks import preflight
+
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o777)
+    (tmp_path / "link").symlink_to(loose)
+    for path in (loose, tmp_path / "link"):
+        with pytest.raises(TapConfigError) as e:
+            preflight.check_shm_dir(ServerCaptureConfig(shm_dir=str(path), ring_bytes=1 << 20))
+        assert str(path) in str(e.value) and "\n" not in str(e.value)
+    fresh = tmp_path / "fresh" / "vllm-tap"
+    preflight.check_shm_dir(ServerCaptureConfig(shm_dir=str(fresh), ring_bytes=1 << 20))
+    assert fresh.is_dir() and fresh.stat().st_mode & 0o777 == 0o700

@@ -106,17 +106,27 @@ def ring_path(shm_dir: str, instance: str, rank: int) -> str:
     return os.path.join(instance_dir(shm_dir, instance), name + rf.RING_SUFFIX)
 
 
+def _dir_rule(group: str | None) -> tuple[int | None, safe_paths.Expect]:
+    gid = safe_paths.gid_of(group) if group is not None else None
+    return gid, safe_paths.Expect(safe_paths.dir_mode(0o660), safe_paths.me(), vouching_group=gid)
+
+
+def ensure_shm_dir(shm_dir: str, group: str | None = None) -> None:
+    """The shm directory, made or checked by the rules of ensure_dir; UnsafePath (one line) otherwise."""
+    gid, rule = _dir_rule(group)
+    safe_paths.ensure_dir(shm_dir, (stat.S_ISGID | 0o770) if gid is not None else 0o700,
+                          dataclasses.replace(rule, sticky_root_ok=True), gid=gid, what="shm directory")
+
+
 def ensure_dir(path: str, mode: int = 0o700, group: str | None = None) -> None:
     """The instance directory `path` and the shm directory above it, made or checked (safe_paths):
     neither may be a link, someone else's (unless it belongs to `group`, whose members vouch for
     it), or open to others. UnsafePath (one line naming it) otherwise, which stops start-up: a
     squatted directory would let its maker read or forge every capture."""
-    gid = safe_paths.gid_of(group) if group is not None else None
-    rule = safe_paths.Expect(safe_paths.dir_mode(0o660), safe_paths.me(), vouching_group=gid)
+    gid, rule = _dir_rule(group)
     parent = os.path.dirname(path)
     if parent:
-        safe_paths.ensure_dir(parent, (stat.S_ISGID | 0o770) if gid is not None else 0o700,
-                              dataclasses.replace(rule, sticky_root_ok=True), gid=gid, what="shm directory")
+        ensure_shm_dir(parent, group)
     # group may enter and read; setgid keeps new files in the group
     safe_paths.ensure_dir(path, (stat.S_ISGID | 0o750) if gid is not None else mode & 0o700, rule, gid=gid,
                           what="instance directory")
