@@ -267,8 +267,9 @@ class _DecodeLayout:
         with_parts = [(i, r) for i, r in found if r.parts]
         self.n = n = len(with_parts)
         self.idx = np.array([i for i, _ in with_parts], dtype=np.int64)
+        self.run = slice(int(self.idx[0]), int(self.idx[-1]) + 1) if n and self.idx[-1] - self.idx[0] + 1 == n else None
         self.live_lo = np.array([r.live[0] for _, r in with_parts], dtype=np.int64)
-        self.live_hi = np.array([r.live[1] for _, r in with_parts], dtype=np.int64)
+        self.live_span = np.array([r.live[1] - r.live[0] for _, r in with_parts], dtype=np.int64).view(np.uint64)
         self.block = np.zeros((3, n), np.int32)
         self.block[0] = np.arange(n)
         plans = [_Plan(i, r, 0, 0, 1, True, 0) for i, r in with_parts]
@@ -277,10 +278,12 @@ class _DecodeLayout:
         for k, (part, sel) in enumerate(self.by_part):
             if len(sel) == n:
                 self.by_part[k] = (part, self.everyone)
+        self.wants_logits = any(part.what != "hidden" for part, _ in self.by_part)
 
 
 class _DecodeRows:
-    """A decode step's row tables: one row per plan, the sampled one (same interface as _StepRows)."""
+    """A decode step's row tables: one row per plan, the sampled one (same interface as _StepRows).
+    `flat` may be int32 (a view of the runner's query starts): index_select takes int32 indices."""
 
     __slots__ = ("block", "flat", "batch_rows", "everyone")
 
@@ -512,21 +515,25 @@ class CaptureCore:
         if lay is None or lay.version != self._version or lay.rows != rows:
             lay = self._decode = _DecodeLayout(self, rows)
         qsl = view.query_start
-        if len(lay.present) and not (qsl[lay.present1] - qsl[lay.present] == 1).all():
+        nreq = len(view.req_ids)
+        # As many rows as requests: every request has one (one scalar test); else look at ours.
+        if qsl[nreq] != nreq and len(lay.present) and not (qsl[lay.present1] - qsl[lay.present] == 1).all():
             return None  # a prefill chunk (or several tokens) in the step: the general plan
         if lay.n == 0:
             return False
-        q = qsl[lay.idx]
-        c = view.computed[lay.idx]
-        if not ((c >= lay.live_lo) & (c < lay.live_hi)).all():
+        at = lay.idx if lay.run is None else lay.run  # a run of batch rows (the usual case): views
+        q = qsl[at]
+        c = view.computed[at]
+        # lo <= c < hi for each, as one unsigned comparison: c - lo wraps to a huge value below lo.
+        if not ((c - lay.live_lo).view(np.uint64) < lay.live_span).all():
             return None
         block = lay.block
         block[1] = c
         host = view.token_ids if isinstance(view.token_ids, np.ndarray) else None
         if host is not None:
             block[2] = host[q]
-        return CaptureStep(self, view, _DecodeRows(block, q.astype(np.int64), lay.idx, lay.everyone), lay.table,
-                           lay.by_part, [])
+        return CaptureStep(self, view, _DecodeRows(block, q, lay.idx, lay.everyone), lay.table, lay.by_part, [],
+                           lay.wants_logits)
 
     def end(self, step: "CaptureStep") -> None:
         step.finish()
@@ -591,7 +598,7 @@ class CaptureStep:
     """One planned step: its row tables and request table, and which of its records are written."""
 
     def __init__(self, core: CaptureCore, view: StepView, rows: "_StepRows | _DecodeRows", table: RequestTable,
-                 by_part: list[tuple[_Part, np.ndarray]], extra_rows: list[np.ndarray]):
+                 by_part: list[tuple[_Part, np.ndarray]], extra_rows: list[np.ndarray], wants_logits: bool | None = None):
         self.core = core
         self.view = view
         ids = view.token_ids
@@ -602,7 +609,8 @@ class CaptureStep:
         self.table = table
         self.by_part = by_part
         # Logits to write, or an extra lm-head pass to run (a collective) even with none to write.
-        self.wants_logits = bool(extra_rows) or any(part.what != "hidden" for part, _ in by_part)
+        self.wants_logits = (bool(extra_rows) or any(part.what != "hidden" for part, _ in by_part)
+                             if wants_logits is None else wants_logits)
         self.logits_done = False
         self.closed = False
 

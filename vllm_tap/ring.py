@@ -366,11 +366,12 @@ class RingWriter:
         return res
 
     def _publish(self) -> None:
-        advanced = False
-        while self._pending and self._pending[0].done:
-            self._write.set(self._pending.popleft().end)
-            advanced = True
-        if advanced:
+        pending = self._pending
+        end = -1
+        while pending and pending[0].done:
+            end = pending.popleft().end
+        if end >= 0:  # one cursor store for all of them: what was done before it is published with it
+            self._write.set(end)
             self._stats["last_write_ns"].set(time.time_ns())
 
     def _encode_header(
