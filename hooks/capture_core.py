@@ -474,10 +474,11 @@ class CaptureCore:
             self.forget(rid)
         if not self.requests:
             return None  # nobody captures: nothing per request, nothing per row
-        got = self._decode_step(view)
+        rows = self._rows_of(view)
+        got = self._decode_step(view, rows)
         if got is not None:
             return got or None
-        plans, extra_rows, single = self._plan(view)
+        plans, extra_rows, single = self._plan(view, rows)
         if not plans and not extra_rows:
             return None
         host = view.token_ids if isinstance(view.token_ids, np.ndarray) else None
@@ -500,25 +501,31 @@ class CaptureCore:
         return table, [(part, everyone if len(js) == len(plans) else np.array(js, dtype=np.int64))
                        for part, js in by_part.items()]
 
-    def _decode_step(self, view: StepView) -> "CaptureStep | bool | None":
-        """A decode step of an unchanged batch, planned from the layout cached for it: every
-        capturing request in the batch has one scheduled row, the sampled one, inside its live range.
-        The step (or False: no record to write); None when the step is not such a step."""
-        row_of = view.row_of
-        if row_of is None:
-            return None
+    def _rows_of(self, view: StepView) -> list:
+        """The batch row of each capturing request (None: not in this step), in `_rids` order: one
+        lookup per capturing request, whatever the batch holds besides."""
         if self._rids_version != self._version:
             self._rids = list(self.requests)
             self._rids_version = self._version
-        rows = [row_of.get(rid) for rid in self._rids]
-        lay = self._decode
-        if lay is None or lay.version != self._version or lay.rows != rows:
-            lay = self._decode = _DecodeLayout(self, rows)
+        row_of = view.row_of
+        if row_of is None:
+            row_of = dict(zip(view.req_ids, range(len(view.req_ids))))
+        return [row_of.get(rid) for rid in self._rids]
+
+    def _decode_step(self, view: StepView, rows: list) -> "CaptureStep | bool | None":
+        """A decode step of an unchanged batch, planned from the layout cached for it: every
+        capturing request in the batch has one scheduled row, the sampled one, inside its live range.
+        The step (or False: no record to write); None when the step is not such a step."""
         qsl = view.query_start
         nreq = len(view.req_ids)
-        # As many rows as requests: every request has one (one scalar test); else look at ours.
-        if qsl[nreq] != nreq and len(lay.present) and not (qsl[lay.present1] - qsl[lay.present] == 1).all():
-            return None  # a prefill chunk (or several tokens) in the step: the general plan
+        all_single = qsl[nreq] == nreq  # as many rows as requests: every request has one
+        lay = self._decode
+        if lay is None or lay.version != self._version or lay.rows != rows:
+            if not all_single:
+                return None  # a batch that changes and mixes in prefill chunks: no layout worth keeping
+            lay = self._decode = _DecodeLayout(self, rows)
+        elif not all_single and len(lay.present) and not (qsl[lay.present1] - qsl[lay.present] == 1).all():
+            return None  # a prefill chunk (or several tokens) of ours in the step: the general plan
         if lay.n == 0:
             return False
         at = lay.idx if lay.run is None else lay.run  # a run of batch rows (the usual case): views
@@ -538,17 +545,11 @@ class CaptureCore:
     def end(self, step: "CaptureStep") -> None:
         step.finish()
 
-    def _plan(self, view: StepView) -> tuple[list[_Plan], list[np.ndarray], bool]:
+    def _plan(self, view: StepView, rows: list) -> tuple[list[_Plan], list[np.ndarray], bool]:
         """The step's capturing requests, the rows of the extra lm-head pass, and whether every
         plan is one sampled row (a decode step)."""
-        row_of = view.row_of
-        if row_of is None:
-            row_of = dict(zip(view.req_ids, range(len(view.req_ids))))
-        found = []
-        for rid, req in self.requests.items():
-            i = row_of.get(rid)
-            if i is not None:
-                found.append((i, req))
+        reqs = self.requests
+        found = [(i, reqs[rid]) for rid, i in zip(self._rids, rows) if i is not None]
         if not found:
             return [], [], True
         found.sort(key=_first)  # batch order: row tables and gathers take rows ascending
