@@ -31,6 +31,11 @@ Rules kept here (performance and correctness):
   gathered by one copy (two for logits: extra-pass rows, then sampled rows), whatever the number of
   requests. No per-token Python, no device sync. Per-request work (spec, parts, request-table
   entry) is done once, when the request is learned.
+- A decode step of an unchanged batch (every capturing request one row, its sampled one, inside
+  its live range; the same requests at the same batch rows) is planned from a layout kept from the
+  step that first saw that batch: request table, parts, row-table buffer, and in the ring writer
+  each record's packed header. Per step only positions and token ids are filled in. Any other step
+  (a prefill chunk, a request joining, leaving or moving) is planned in full, as before.
 - Under tensor parallelism every rank holds the full logits and residual stream; each rank copies
   only its 1/tp share of the last dimension (no collective). Top-k and chosen indices need whole
   rows: TP rank 0 writes them. The extra lm-head pass is a collective, so every TP rank of the last
