@@ -254,7 +254,6 @@ class RingWriter:
         self._stats = {
             name: _Cursor(self._buf, rf.STATS_OFFSET + 8 * i) for i, name in enumerate(rf.STATS_FIELDS)
         }
-        self._stats_u64 = self._buf[rf.STATS_OFFSET : rf.STATS_OFFSET + 8 * len(rf.STATS_FIELDS)].view("<u8")
         self._waiting = self._buf[rf.READER_WAITING_OFFSET : rf.READER_WAITING_OFFSET + 8].view("<u8")
         self._reserved = 0  # cursor just past the last reservation
         self._records_written = 0  # mirrors of the header's counters (only reserve_rows bumps them)
