@@ -31,6 +31,11 @@ Rules kept here (performance and correctness):
   gathered by one copy (two for logits: extra-pass rows, then sampled rows), whatever the number of
   requests. No per-token Python, no device sync. Per-request work (spec, parts, request-table
   entry) is done once, when the request is learned.
+- A decode step of an unchanged batch (every capturing request one row, its sampled one, inside
+  its live range; the same requests at the same batch rows) is planned from a layout kept from the
+  step that first saw that batch: request table, parts, row-table buffer, and in the ring writer
+  each record's packed header. Per step only positions and token ids are filled in. Any other step
+  (a prefill chunk, a request joining, leaving or moving) is planned in full, as before.
 - Under tensor parallelism every rank holds the full logits and residual stream; each rank copies
   only its 1/tp share of the last dimension (no collective). Top-k and chosen indices need whole
   rows: TP rank 0 writes them. The extra lm-head pass is a collective, so every TP rank of the last
@@ -249,6 +254,57 @@ class _StepRows:
         return got
 
 
+class _DecodeLayout:
+    """What stays the same from one decode step to the next while the batch does: which batch rows
+    hold capturing requests, their request table and parts, and the row table's buffer (slots fixed;
+    positions and token ids filled each step). Keyed by the core's request version and the batch
+    row of each capturing request."""
+
+    def __init__(self, core: "CaptureCore", rows: list):
+        self.version = core._version
+        self.rows = rows
+        reqs = core.requests
+        found = sorted((i, reqs[rid]) for rid, i in zip(core._rids, rows) if i is not None)
+        # Every request in the batch must have one row (no extra lm-head rows); those with parts
+        # must be live (they are the plans).
+        self.present = np.array([i for i, _ in found], dtype=np.int64)
+        self.present1 = self.present + 1
+        with_parts = [(i, r) for i, r in found if r.parts]
+        self.n = n = len(with_parts)
+        self.idx = np.array([i for i, _ in with_parts], dtype=np.int64)
+        self.run = slice(int(self.idx[0]), int(self.idx[-1]) + 1) if n and self.idx[-1] - self.idx[0] + 1 == n else None
+        self.live_lo = np.array([r.live[0] for _, r in with_parts], dtype=np.int64)
+        self.live_span = np.array([r.live[1] - r.live[0] for _, r in with_parts], dtype=np.int64).view(np.uint64)
+        self.block = np.zeros((3, n), np.int32)
+        self.block[0] = np.arange(n)
+        plans = [_Plan(i, r, 0, 0, 1, True, 0) for i, r in with_parts]
+        self.table, self.by_part = core._parts_of(plans) if n else (None, [])
+        self.everyone = self.by_part[0][1] if self.by_part and len(self.by_part[0][1]) == n else np.arange(n)
+        for k, (part, sel) in enumerate(self.by_part):
+            if len(sel) == n:
+                self.by_part[k] = (part, self.everyone)
+        self.wants_logits = any(part.what != "hidden" for part, _ in self.by_part)
+
+
+class _DecodeRows:
+    """A decode step's row tables: one row per plan, the sampled one (same interface as _StepRows).
+    `flat` may be int32 (a view of the runner's query starts): index_select takes int32 indices."""
+
+    __slots__ = ("block", "flat", "batch_rows", "everyone")
+
+    def __init__(self, block: np.ndarray, flat: np.ndarray, batch_rows: np.ndarray, everyone: np.ndarray):
+        self.block, self.flat, self.batch_rows, self.everyone = block, flat, batch_rows, everyone
+
+    def rows(self, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if sel is self.everyone:
+            return self.block, self.flat
+        return np.ascontiguousarray(self.block[:, sel]), self.flat[sel]
+
+    def logit_rows(self, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        block, flat = self.rows(sel)
+        return block, flat, _NO_ROWS, self.batch_rows if sel is self.everyone else self.batch_rows[sel]
+
+
 def _rows_within(block: np.ndarray, sub: np.ndarray) -> np.ndarray:
     """Indices into `block`'s rows of `sub`'s rows (row tables: slot, position, id); every row of
     sub is in block. Vectorised: a row is its (slot, position)."""
@@ -267,6 +323,9 @@ def _rows_within(block: np.ndarray, sub: np.ndarray) -> np.ndarray:
 _STRIPES = 32
 
 
+_STRIDES: dict[tuple[int, int], torch.Tensor] = {}
+
+
 def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, ids) of the k largest of each row of x [n, V], largest first."""
     n, v = x.shape
@@ -275,11 +334,29 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.topk(x, k, dim=-1, sorted=True)  # one kernel on an accelerator
     gmax = x.as_strided((n, _STRIPES, groups), (v, groups, 1)).amax(1)
     gi = torch.topk(gmax, k, dim=-1, sorted=False).indices
-    cand = (gi.unsqueeze(1) + torch.arange(0, _STRIPES * groups, groups).view(1, _STRIPES, 1)).view(n, -1)
+    stripes = _STRIDES.get((v, groups))
+    if stripes is None:
+        stripes = _STRIDES[(v, groups)] = torch.arange(0, _STRIPES * groups, groups).view(1, _STRIPES, 1)
+    cand = (gi.unsqueeze(1) + stripes).view(n, -1)
     if _STRIPES * groups < v:  # the tail beyond the last whole stripe: always a candidate
         cand = torch.cat([cand, torch.arange(_STRIPES * groups, v).expand(n, -1)], 1)
     values, j = torch.topk(torch.gather(x, 1, cand), k, dim=-1, sorted=True)
     return values, torch.gather(cand, 1, j)
+
+
+def logsumexp_rows(x: torch.Tensor, top_ids: torch.Tensor) -> torch.Tensor:
+    """float32 [n, 1] log-sum-exp of each row of x [n, V], given each row's largest element's id
+    (column 0 of `top_ids`, from the top-k).
+
+    On the CPU, through log_softmax (what vLLM's logprobs are computed with): one fused pass where
+    torch.logsumexp makes several with temporaries (~0.65x its time here, measured), read at the
+    row's largest element, where x - log_softmax(x) = max + log(sum(exp(x - max))) up to one rounding
+    (x - max is 0 there: no cancellation). (An out= buffer kept across steps measured slower than a
+    fresh one.) On an accelerator torch.logsumexp is one kernel."""
+    if x.device.type != "cpu":
+        return torch.logsumexp(x.float(), dim=-1, keepdim=True)
+    at = top_ids[:, :1]
+    return x.gather(1, at).float() - torch.log_softmax(x, -1, dtype=torch.float32).gather(1, at)
 
 
 class CaptureCore:
@@ -306,6 +383,12 @@ class CaptureCore:
         self._parts: dict[CaptureSpec, tuple[_Part, ...]] = {}
         self._indices: dict[tuple[int, ...], torch.Tensor] = {}
         self.step = 0
+        # Changes whenever the set of capturing requests does: the decode layout below is valid
+        # for one version and one placement of those requests in the batch.
+        self._version = 0
+        self._rids: list[str] = []
+        self._rids_version = -1
+        self._decode: _DecodeLayout | None = None
 
     # -- requests --
 
@@ -313,12 +396,14 @@ class CaptureCore:
         """A request the runner admitted (again, after a preemption): work out what it captures."""
         req = self._request(rid, extra_args, num_prompt)
         if req is None:
-            self.requests.pop(rid, None)  # a re-used id that captured before does not now
+            self.forget(rid)  # a re-used id that captured before does not now
         else:
             self.requests[rid] = req
+            self._version += 1
 
     def forget(self, rid: str) -> None:
-        self.requests.pop(rid, None)
+        if self.requests.pop(rid, None) is not None:
+            self._version += 1
 
     def _request(self, rid: str, extra: dict | None, num_prompt: int) -> _Request | None:
         if not extra or SPEC_EXTRA_ARG not in extra:
@@ -391,28 +476,85 @@ class CaptureCore:
         """Plan a step; None when no request captures anything in it."""
         self.step += 1
         for rid in view.finished:
-            self.requests.pop(rid, None)
+            self.forget(rid)
         if not self.requests:
             return None  # nobody captures: nothing per request, nothing per row
-        plans, extra_rows, single = self._plan(view)
+        rows = self._rows_of(view)
+        got = self._decode_step(view, rows)
+        if got is not None:
+            return got or None
+        plans, extra_rows, single = self._plan(view, rows)
         if not plans and not extra_rows:
             return None
-        return CaptureStep(self, view, plans, extra_rows, single)
+        host = view.token_ids if isinstance(view.token_ids, np.ndarray) else None
+        table, by_part = self._parts_of(plans)
+        return CaptureStep(self, view, _StepRows(plans, host, single), table, by_part, extra_rows)
+
+    def _parts_of(self, plans: list[_Plan]) -> tuple[RequestTable, list[tuple[_Part, np.ndarray]]]:
+        """The step's request table, and each part with the plans (by index) that ask for it.
+        Requests asking for the same part (the usual case: all of them) share its record."""
+        table = RequestTable([p.req.ref for p in plans], [p.req.packed for p in plans])
+        by_part: dict[_Part, list[int]] = {}
+        for j, plan in enumerate(plans):
+            for part in plan.req.parts:
+                got = by_part.get(part)
+                if got is None:
+                    by_part[part] = [j]
+                else:
+                    got.append(j)
+        everyone = np.arange(len(plans))
+        return table, [(part, everyone if len(js) == len(plans) else np.array(js, dtype=np.int64))
+                       for part, js in by_part.items()]
+
+    def _rows_of(self, view: StepView) -> list:
+        """The batch row of each capturing request (None: not in this step), in `_rids` order: one
+        lookup per capturing request, whatever the batch holds besides."""
+        if self._rids_version != self._version:
+            self._rids = list(self.requests)
+            self._rids_version = self._version
+        row_of = view.row_of
+        if row_of is None:
+            row_of = dict(zip(view.req_ids, range(len(view.req_ids))))
+        return [row_of.get(rid) for rid in self._rids]
+
+    def _decode_step(self, view: StepView, rows: list) -> "CaptureStep | bool | None":
+        """A decode step of an unchanged batch, planned from the layout cached for it: every
+        capturing request in the batch has one scheduled row, the sampled one, inside its live range.
+        The step (or False: no record to write); None when the step is not such a step."""
+        qsl = view.query_start
+        nreq = len(view.req_ids)
+        all_single = qsl[nreq] == nreq  # as many rows as requests: every request has one
+        lay = self._decode
+        if lay is None or lay.version != self._version or lay.rows != rows:
+            if not all_single:
+                return None  # a batch that changes and mixes in prefill chunks: no layout worth keeping
+            lay = self._decode = _DecodeLayout(self, rows)
+        elif not all_single and len(lay.present) and not (qsl[lay.present1] - qsl[lay.present] == 1).all():
+            return None  # a prefill chunk (or several tokens) of ours in the step: the general plan
+        if lay.n == 0:
+            return False
+        at = lay.idx if lay.run is None else lay.run  # a run of batch rows (the usual case): views
+        q = qsl[at]
+        c = view.computed[at]
+        # lo <= c < hi for each, as one unsigned comparison: c - lo wraps to a huge value below lo.
+        if not ((c - lay.live_lo).view(np.uint64) < lay.live_span).all():
+            return None
+        block = lay.block
+        block[1] = c
+        host = view.token_ids if isinstance(view.token_ids, np.ndarray) else None
+        if host is not None:
+            block[2] = host[q]
+        return CaptureStep(self, view, _DecodeRows(block, q, lay.idx, lay.everyone), lay.table, lay.by_part, [],
+                           lay.wants_logits)
 
     def end(self, step: "CaptureStep") -> None:
         step.finish()
 
-    def _plan(self, view: StepView) -> tuple[list[_Plan], list[np.ndarray], bool]:
+    def _plan(self, view: StepView, rows: list) -> tuple[list[_Plan], list[np.ndarray], bool]:
         """The step's capturing requests, the rows of the extra lm-head pass, and whether every
         plan is one sampled row (a decode step)."""
-        row_of = view.row_of
-        if row_of is None:
-            row_of = dict(zip(view.req_ids, range(len(view.req_ids))))
-        found = []
-        for rid, req in self.requests.items():
-            i = row_of.get(rid)
-            if i is not None:
-                found.append((i, req))
+        reqs = self.requests
+        found = [(i, reqs[rid]) for rid, i in zip(self._rids, rows) if i is not None]
         if not found:
             return [], [], True
         found.sort(key=_first)  # batch order: row tables and gathers take rows ascending
@@ -461,32 +603,20 @@ class CaptureCore:
 class CaptureStep:
     """One planned step: its row tables and request table, and which of its records are written."""
 
-    def __init__(self, core: CaptureCore, view: StepView, plans: list[_Plan], extra_rows: list[np.ndarray],
-                 single: bool):
+    def __init__(self, core: CaptureCore, view: StepView, rows: "_StepRows | _DecodeRows", table: RequestTable,
+                 by_part: list[tuple[_Part, np.ndarray]], extra_rows: list[np.ndarray], wants_logits: bool | None = None):
         self.core = core
         self.view = view
         ids = view.token_ids
         # Host ids go into the ring with the row table; a tensor's are gathered by the publisher.
-        self.host_ids = ids if isinstance(ids, np.ndarray) else None
-        self.device_ids = None if self.host_ids is not None else ids
-        self.plans = plans
+        self.device_ids = None if isinstance(ids, np.ndarray) else ids
         self.extra_rows = extra_rows
-        self.rows = _StepRows(plans, self.host_ids, single)
-        self.table = RequestTable([p.req.ref for p in plans], [p.req.packed for p in plans])
-        # Requests asking for the same part (the usual case: all of them) share its record.
-        by_part: dict[_Part, list[int]] = {}
-        for j, plan in enumerate(plans):
-            for part in plan.req.parts:
-                got = by_part.get(part)
-                if got is None:
-                    by_part[part] = [j]
-                else:
-                    got.append(j)
-        everyone = np.arange(len(plans))
-        self.by_part = [(part, everyone if len(js) == len(plans) else np.array(js, dtype=np.int64))
-                        for part, js in by_part.items()]
+        self.rows = rows
+        self.table = table
+        self.by_part = by_part
         # Logits to write, or an extra lm-head pass to run (a collective) even with none to write.
-        self.wants_logits = bool(extra_rows) or any(part.what != "hidden" for part, _ in self.by_part)
+        self.wants_logits = (bool(extra_rows) or any(part.what != "hidden" for part, _ in by_part)
+                             if wants_logits is None else wants_logits)
         self.logits_done = False
         self.closed = False
 
@@ -543,9 +673,11 @@ class CaptureStep:
         block, flat, segments = self._segments(union, logits, extra)
         blocks = [gather_rows(t, i) for t, i in segments]
         rows = blocks[0] if len(blocks) == 1 else torch.cat(blocks)  # cat would copy even one
-        lse = torch.logsumexp(rows.float(), dim=-1, keepdim=True)
-        kmax = max((p.topk for p, _ in parts if p.what == "topk"), default=0)
-        top = topk_rows(rows, kmax) if kmax else None
+        # One top-k at the largest k (k=1 for chosen parts alone: the row's largest element, which
+        # the logsumexp reads at; torch.argmax is ~10x slower than this on the CPU).
+        kmax = max((p.topk for p, _ in parts if p.what == "topk"), default=1)
+        top = topk_rows(rows, kmax)
+        lse = logsumexp_rows(rows, top[1])
         for part, sel in parts:
             if same:
                 pick, pblock, pflat = None, block, flat

@@ -79,11 +79,6 @@ def report_drop(writer: RingWriter, table: RequestTable, rows: np.ndarray, tenso
         )
 
 
-def _record_start(res: Reservation, table: RequestTable, n: int) -> int:
-    """File offset of a DATA reservation's record header."""
-    return res.payload_offset - rf.body_layout(0, len(table.blob), n)[4]
-
-
 def _pad_out(writer: RingWriter, starts: Sequence[int]) -> None:
     """Turn reserved, uncommitted DATA records into PAD records (same length): the reader skips
     them, whatever their payload holds."""
@@ -136,7 +131,7 @@ class Publisher:
             return False
         n = rows.shape[1]
         self._step.append(res)
-        self._starts.append(_record_start(res, table, n))
+        self._starts.append(res.record_offset)
         dst = self._ring.view(res.payload_offset, dtype, (n, width))
         ids = None if device_ids is None else self._ring.view(res.token_ids_offset, torch.int32, (n,))
         self._fill(res, dst, segments, ids, device_ids)
@@ -334,7 +329,7 @@ class StagedPublisher(Publisher):
         if res is None:
             return False
         self._step.append(res)
-        self._starts.append(_record_start(res, table, n))
+        self._starts.append(res.record_offset)
         stage = self._staged(at, dtype, (n, width))
         _fill_segments(stage, segments, self._gather_into)
         self._pairs.append((self._ring.view(res.payload_offset, dtype, (n, width)), stage))

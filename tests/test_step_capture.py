@@ -208,6 +208,66 @@ def test_a_mixed_step_is_read_back_per_request_exactly(ring, staged, ids_on_devi
         assert n_records > 8
 
 
+DECODE_SPECS = [
+    CaptureSpec(logits=LogitsMode.TOPK, topk=3, layers=()),
+    None,
+    CaptureSpec(layers=LAYERS),
+    CaptureSpec(logits=LogitsMode.INDICES, indices=(1, 7, 49), layers=(2,), dtype=DTypeMode.FLOAT32),
+    CaptureSpec(layers=(5,), positions=PositionsMode.OUTPUT),
+]
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["cpu-publisher", "staged-publisher"])
+@pytest.mark.parametrize("ids_on_device", [False, True], ids=["host-ids", "device-ids"])
+def test_decode_steps_of_an_unchanged_batch_reuse_one_plan_and_read_back_exactly(ring, staged, ids_on_device):
+    """Decode steps of the same batch (the runner's request -> row map given, as V1's is) are planned
+    once and the plan reused while the batch stays; a step that is not such a step (a prefill chunk,
+    a request past its live range, a request gone or moved) is planned afresh. Each step's rows come
+    back exactly, whichever way it was planned."""
+    writer = ring()
+    prompt = [5, 4, 6, 3, 7]
+    st = Step(DECODE_SPECS, [1] * 5, [9, 8, 10, 7, 11], prompt, ids_on_device=ids_on_device)
+    core = st.learn(make_core(writer, staged=staged))
+
+    def run(step, **kw):
+        core.capture(step.view(row_of={rid: i for i, rid in enumerate(step.req_ids)}, **kw))
+        finish(core)
+        got, _, drops, _ = read(writer.path)
+        assert not drops
+        want = step.expected()
+        assert set(got) == {rid for rid, w in want.items() if w}
+        assert_matches(got, want)
+        return got
+
+    try:
+        layouts = []
+        for k in range(3):  # the same batch, positions advancing: one plan
+            step = Step(DECODE_SPECS, [1] * 5, [9 + k, 8 + k, 10 + k, 7 + k, 11 + k], prompt, seed=k,
+                        ids_on_device=ids_on_device)
+            run(step)
+            layouts.append(core._decode)
+        assert layouts[0] is not None and all(x is layouts[0] for x in layouts)
+        # A prefill chunk in the batch: planned afresh, its extra lm-head rows included.
+        step = Step(DECODE_SPECS, [1, 1, 3, 1, 1], [12, 11, 0, 10, 14], [5, 4, 6, 3, 7], seed=5,
+                    ids_on_device=ids_on_device)
+        got = run(step)
+        assert sorted(got["r2"]["logits"]) == [0, 1, 2]
+        # r4 captures output positions only: at its last prompt position it captures (its sampled
+        # row), before it nothing; a request not live makes the step a general one.
+        step = Step(DECODE_SPECS, [1] * 5, [13, 12, 13, 11, 2], prompt, seed=6, ids_on_device=ids_on_device)
+        got = run(step)
+        assert not got["r4"]
+        # r1 gone, r3 moved to its row: a new plan.
+        specs = [DECODE_SPECS[0], DECODE_SPECS[3], DECODE_SPECS[2], DECODE_SPECS[4]]
+        step = Step(specs, [1] * 4, [14, 12, 14, 15], [5, 3, 6, 7], seed=7, ids_on_device=ids_on_device)
+        step.req_ids = ["r0", "r3", "r2", "r4"]
+        before = core._decode
+        got = run(step, finished={"r1"})
+        assert core._decode is not before and set(got) == {"r0", "r2", "r3", "r4"}
+    finally:
+        core.close()
+
+
 @pytest.mark.parametrize("vocab", [50, 1000, 32000, 32011])
 def test_top_k_through_group_maxima_is_torch_topk(vocab):
     """The CPU top-k (group maxima, then candidates) gives torch.topk's values, and its ids where the

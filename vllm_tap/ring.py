@@ -40,6 +40,7 @@ import logging
 import mmap
 import os
 import stat
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -63,6 +64,12 @@ _ITEMSIZE = {int(code): rf.storage_dtype(code).itemsize for code in rf.DType}
 _RECORDS_WRITTEN = rf.STATS_FIELDS.index("records_written")
 _BYTES_WRITTEN = rf.STATS_FIELDS.index("bytes_written")
 _ROW_DTYPE = np.dtype("<i4")
+# A DATA record's step number within its header, and the two writer counters every record bumps.
+_STEP = struct.Struct("<Q")
+_STEP_OFFSET = 32
+_COUNTS = struct.Struct("<QQ")
+assert (_RECORDS_WRITTEN, _BYTES_WRITTEN) == (0, 1)
+_MAX_PREPARED = 256  # prepared record prefixes kept per writer
 
 
 class RingFormatError(RuntimeError):
@@ -163,17 +170,29 @@ class _Cursor:
         self._a[0] = v
 
 
-@dataclass
 class Reservation:
-    """Space held in the ring for one record; fill `payload`, then `RingWriter.commit` it."""
+    """Space held in the ring for one record; fill `payload`, then `RingWriter.commit` it.
 
-    start: int  # cursor where this reservation begins (including any PAD before the record)
-    end: int
-    payload_offset: int  # byte offset of the payload within the whole file mapping
-    payload_nbytes: int
-    payload: np.ndarray  # uint8 view of the payload bytes
-    token_ids_offset: int = 0  # byte offset of the int32 token ids within the file mapping
-    done: bool = False
+    (A slotted class, not a dataclass: one is made per captured tensor per step.)"""
+
+    __slots__ = ("start", "end", "payload_offset", "payload_nbytes", "token_ids_offset", "record_offset", "done",
+                 "_buf")
+
+    def __init__(self, start: int, end: int, payload_offset: int, payload_nbytes: int, token_ids_offset: int,
+                 record_offset: int, buf: np.ndarray):
+        self.start = start  # cursor where this reservation begins (including any PAD before the record)
+        self.end = end
+        self.payload_offset = payload_offset  # byte offset of the payload within the whole file mapping
+        self.payload_nbytes = payload_nbytes
+        self.token_ids_offset = token_ids_offset  # byte offset of the int32 token ids within the file mapping
+        self.record_offset = record_offset  # byte offset of the record header within the file mapping
+        self.done = False
+        self._buf = buf
+
+    @property
+    def payload(self) -> np.ndarray:
+        """uint8 view of the payload bytes."""
+        return self._buf[self.payload_offset : self.payload_offset + self.payload_nbytes]
 
 
 class RingWriter:
@@ -245,9 +264,11 @@ class RingWriter:
         self._stats = {
             name: _Cursor(self._buf, rf.STATS_OFFSET + 8 * i) for i, name in enumerate(rf.STATS_FIELDS)
         }
-        self._stats_u64 = self._buf[rf.STATS_OFFSET : rf.STATS_OFFSET + 8 * len(rf.STATS_FIELDS)].view("<u8")
         self._waiting = self._buf[rf.READER_WAITING_OFFSET : rf.READER_WAITING_OFFSET + 8].view("<u8")
         self._reserved = 0  # cursor just past the last reservation
+        self._records_written = 0  # mirrors of the header's counters (only reserve_rows bumps them)
+        self._bytes_written = 0
+        self._prepared: dict[tuple, tuple] = {}
         self._pending: collections.deque[Reservation] = collections.deque()
         self._lock = threading.Lock()
         # Control records (BEGIN/END/DROP) wait here when the ring is full, in order, packed:
@@ -346,20 +367,20 @@ class RingWriter:
                 return got
         return None
 
-    def _push(self, start: int, end: int, payload_off: int, nbytes: int, ids_off: int = 0) -> Reservation:
-        res = Reservation(
-            start, end, rf.HEADER_SIZE + payload_off, nbytes,
-            self._data[payload_off : payload_off + nbytes], rf.HEADER_SIZE + ids_off,
-        )
+    def _push(self, start: int, end: int, payload_off: int, nbytes: int, ids_off: int = 0,
+              record_off: int = 0) -> Reservation:
+        h = rf.HEADER_SIZE
+        res = Reservation(start, end, h + payload_off, nbytes, h + ids_off, h + record_off, self._buf)
         self._pending.append(res)
         return res
 
     def _publish(self) -> None:
-        advanced = False
-        while self._pending and self._pending[0].done:
-            self._write.set(self._pending.popleft().end)
-            advanced = True
-        if advanced:
+        pending = self._pending
+        end = -1
+        while pending and pending[0].done:
+            end = pending.popleft().end
+        if end >= 0:  # one cursor store for all of them: what was done before it is published with it
+            self._write.set(end)
             self._stats["last_write_ns"].set(time.time_ns())
 
     def _encode_header(
@@ -532,16 +553,17 @@ class RingWriter:
         themselves. None when it does not fit: counted as dropped and reported by one DROP record
         per request that had rows in it.
         """
-        if len(table) > rf.MAX_REQUESTS_PER_RECORD:
-            raise ValueError(f"a record holds at most {rf.MAX_REQUESTS_PER_RECORD} requests")
         if rows.dtype != _ROW_DTYPE or rows.ndim != 2 or rows.shape[0] != 3 or not rows.flags.c_contiguous:
             raise ValueError("rows must be a C-contiguous int32 array of shape [3, n]")
         n = rows.shape[1]
-        itemsize = _ITEMSIZE.get(dtype) or rf.storage_dtype(dtype).itemsize  # the latter raises on a bad code
-        nbytes = n * width * itemsize
         meta = table.blob
-        _, slots_off, _, ids_off, payload_off = rf.body_layout(0, len(meta), n)
-        total = rf.align_up(payload_off + nbytes)
+        # The record's header and request table are the same from step to step while the batch is
+        # (only the step number differs): packed once, stored with one slice store per record.
+        key = (meta, n, tensor, dtype, width, slice_, full_dim)
+        prep = self._prepared.get(key)
+        if prep is None:
+            prep = self._prepare(key, len(table))
+        prefix, slots_off, ids_off, payload_off, nbytes, total = prep
         with self._lock:
             # Checked at the first reservation after a commit (a step's first record) and at the
             # commit: one fstat each, not one per record.
@@ -558,17 +580,36 @@ class RingWriter:
                 return None
             start, at = got
             rel = at % self.capacity
-            self._encode_header(
-                rel, total, rf.RecordKind.DATA, b"", meta, n, payload_off, tensor=tensor, dtype=dtype, step=step,
-                n_requests=len(table), slice_=slice_ if slice_ is not None else (0, width),
-                full_dim=full_dim if full_dim is not None else width,
-            )
-            at_file = rf.HEADER_SIZE + rel + slots_off
-            self._mm[at_file : at_file + 12 * n] = rows
-            stats = self._stats_u64
-            stats[_RECORDS_WRITTEN] += 1
-            stats[_BYTES_WRITTEN] += total
-            return self._push(start, at + total, rel + payload_off, nbytes, rel + ids_off)
+            mm = self._mm
+            base = rf.HEADER_SIZE + rel
+            mm[base : base + slots_off] = prefix
+            _STEP.pack_into(mm, base + _STEP_OFFSET, step)
+            mm[base + slots_off : base + slots_off + 12 * n] = rows
+            self._records_written += 1
+            self._bytes_written += total
+            _COUNTS.pack_into(mm, rf.STATS_OFFSET, self._records_written, self._bytes_written)
+            return self._push(start, at + total, rel + payload_off, nbytes, rel + ids_off, rel)
+
+    def _prepare(self, key: tuple, n_requests: int) -> tuple:
+        """A DATA record's prefix (header with step 0, request table, padding) and its offsets."""
+        meta, n, tensor, dtype, width, slice_, full_dim = key
+        if n_requests > rf.MAX_REQUESTS_PER_RECORD:
+            raise ValueError(f"a record holds at most {rf.MAX_REQUESTS_PER_RECORD} requests")
+        itemsize = _ITEMSIZE.get(dtype) or rf.storage_dtype(dtype).itemsize  # the latter raises on a bad code
+        nbytes = n * width * itemsize
+        _, slots_off, _, ids_off, payload_off = rf.body_layout(0, len(meta), n)
+        total = rf.align_up(payload_off + nbytes)
+        rank16 = rf.ENGINE_RANK_U16 if self.rank == rf.ENGINE_RANK else self.rank
+        sl = slice_ if slice_ is not None else (0, width)
+        head = rf.RECORD_HEADER.pack(
+            rf.RECORD_MAGIC, total, rf.RecordKind.DATA, tensor.kind, dtype, 0, tensor.layer, rank16, n, n_requests,
+            0, 0, len(meta), 0, sl[0], sl[1], full_dim if full_dim is not None else width, payload_off)
+        prefix = head.ljust(rf.RECORD_HEADER_SIZE, b"\0") + meta
+        prefix = prefix.ljust(slots_off, b"\0")
+        if len(self._prepared) >= _MAX_PREPARED:  # batches come and go: keep the recent ones
+            self._prepared.clear()
+        prep = self._prepared[key] = (prefix, slots_off, ids_off, payload_off, nbytes, total)
+        return prep
 
     def _drop(self, table: RequestTable, slots: np.ndarray, positions: np.ndarray, tensor: TensorId, total: int) -> None:
         self._bump("records_dropped")
