@@ -118,7 +118,9 @@ def view(path: str, arena_id: int) -> ArenaView:
             v = _views[key] = ArenaView(path, arena_id)
         except (ArenaError, OSError, ValueError) as e:
             _failed[key] = str(e)
-            log.info("delivery through shared memory unavailable (%s): payloads come as frames", e)
+            # Once per arena and process: the data is the same, the path slower (and the operator's
+            # access model is probably not what they meant: docs/operate.md, "Access model").
+            log.warning("delivery through shared memory unavailable (%s): payloads come as frames (slower)", e)
             raise ArenaError(0, str(e)) from None
         return v
 

@@ -1,10 +1,12 @@
 """The daemon's delivery arena: shared memory that holds the arrays it delivers (layout: vllm_tap.arena_format).
 
 Rules this module keeps:
-- One file per daemon run, `<shm_dir>/.arena-<arena_id>`, created O_EXCL | O_NOFOLLOW with mode
-  0640 (set again with fchmod, whatever the umask): the daemon's user writes it, its group may
-  map it read-only, nobody else can open it. Files of earlier runs whose daemon is dead are removed
-  at start; our own is removed at stop (clients that mapped it keep their mapping).
+- One file per daemon run, `<arena_dir>/.arena-<arena_id>`, created O_EXCL | O_NOFOLLOW with mode
+  0640 (set again with fchmod, whatever the umask) in the subscribers' group (socket_group; the
+  daemon's own group without one): the daemon's user writes it, that group may map it read-only,
+  nobody else can open it. The directory is the daemon's own (daemon/access.prepare_arena_dir):
+  not the shm directory, which subscribers may not enter. Files of earlier runs whose daemon is
+  dead are removed at start; our own is removed at stop (clients that mapped it keep their mapping).
 - The daemon never faults on it: tmpfs pages are reserved with posix_fallocate, COMMIT_CHUNK at a
   time, before a region in them is handed out. When /dev/shm is full, or the arena is, `alloc`
   returns None and the caller keeps the array on its heap (delivered as frames): slower, never lost.
@@ -45,12 +47,14 @@ MAX_TOP = 1 << 30  # the largest region; a bigger array stays on the heap
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def create_private_file(dir_fd: int, name: str, mode: int) -> int:
+def create_private_file(dir_fd: int, name: str, mode: int, gid: int | None = None) -> int:
     """A new regular file `name` under an opened directory, readable as `mode` allows and no more:
-    O_EXCL (never someone else's file or link), O_NOFOLLOW, then fchmod (the umask cannot widen or
-    narrow it unexpectedly). Returns the read-write descriptor."""
-    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    O_EXCL (never someone else's file or link), O_NOFOLLOW, in group `gid` if given, then fchmod
+    (the umask cannot widen or narrow it unexpectedly). Returns the read-write descriptor."""
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode & 0o600, dir_fd=dir_fd)
     try:
+        if gid is not None:
+            os.fchown(fd, -1, gid)
         os.fchmod(fd, mode)
     except BaseException:
         os.close(fd)
@@ -118,12 +122,13 @@ class Arena:
         self.committed_bytes = 0
         self._closed = False
         self._warned = False
+        self.remove_dir = False  # close() removes the directory too (the daemon made it for this run)
 
     # -- life --
 
     @classmethod
-    def create(cls, directory: str, capacity: int) -> "Arena":
-        """OSError when the directory cannot hold it."""
+    def create(cls, directory: str, capacity: int, gid: int | None = None) -> "Arena":
+        """OSError when the directory cannot hold it. `gid`: the group that may map it (subscribers)."""
         top_order = 0
         want = max(af.BLOCK, min(capacity, MAX_TOP))
         while (af.BLOCK << top_order) < want:
@@ -135,7 +140,7 @@ class Arena:
             remove_stale(dir_fd, directory)
             arena_id = secrets.randbits(63) | 1
             name = af.arena_name(arena_id)
-            fd = create_private_file(dir_fd, name, af.FILE_MODE)
+            fd = create_private_file(dir_fd, name, af.FILE_MODE, gid)
         except BaseException:
             os.close(dir_fd)
             raise
@@ -168,6 +173,13 @@ class Arena:
                 os.unlink(self._name, dir_fd=self._dir_fd)
         except OSError:
             pass
+        if self.remove_dir:  # made by this run (not by systemd or tmpfiles.d): leave nothing behind
+            d = os.path.dirname(self.path)
+            try:
+                if os.stat(d, follow_symlinks=False).st_ino == os.fstat(self._dir_fd).st_ino:
+                    os.rmdir(d)
+            except OSError:
+                pass  # not empty (someone else's file?), or gone: leave it
         os.close(self._dir_fd)
 
     # -- allocation --

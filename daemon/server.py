@@ -59,7 +59,8 @@ from vllm_tap.ring_schema import tensor_id
 from vllm_tap.daemon.arena import Arena
 from vllm_tap.safe_paths import UnsafePath
 
-from vllm_tap.daemon.access import RingAccess, narrow_socket, prepare_socket_dir, socket_gid, socket_path
+from vllm_tap.daemon.access import (RingAccess, narrow_socket, prepare_arena_dir, prepare_socket_dir, socket_gid,
+                                    socket_path)
 from vllm_tap.daemon.config import DaemonConfig
 from vllm_tap.daemon.config_load import is_loopback
 from vllm_tap.daemon.curve import CurveServer
@@ -252,12 +253,11 @@ class Daemon:
         self._fd_events = select.poll()
         self._fd_due = False
         self._doorbell: Doorbell | None = None  # writers wake us through it; bound once shm_dir exists
-        self.arena: Arena | None = None  # delivered arrays; created once shm_dir exists (arena_bytes > 0)
+        self.arena: Arena | None = None  # delivered arrays; created at start-up (arena_bytes > 0)
         # Captures fully handed to an arena subscriber's socket, kept until it had time to copy them:
         # routing id -> [(deadline, entry)], plus the bytes they hold (see the module docstring).
         self._pins: dict[bytes, list[tuple[float, Entry]]] = {}
         self._pinned_bytes = 0
-        self._arena_tried = False
         self.nofile = 0
         self._refusal_logs = LOG_FIRST
         self._closed_ring_counts = (0, 0)  # rejected, corrupt of rings no longer read
@@ -287,6 +287,7 @@ class Daemon:
                 _prepare_endpoint(self.endpoint, ctx, gid)
                 curve = self._curve()
                 self._prepare_shm_dir()
+                self._open_arena(gid)
             except UnsafePath as e:
                 raise AccessError(str(e)) from None
             self._peers = Peers(ctx, sock, self.endpoint, max_connections=self.config.max_connections,
@@ -317,6 +318,8 @@ class Daemon:
                         self._shutdown()
             finally:
                 self._sock = None
+                if self.arena is not None:
+                    self.arena.close()  # also when start-up failed after making it
                 if self._peers is not None:
                     self._peers.close()
                     self._peers = None
@@ -441,13 +444,23 @@ class Daemon:
 
     # -- rings --
 
-    def _open_arena(self) -> None:
-        self._arena_tried = True
-        try:
-            self.arena = Arena.create(self.config.shm_dir, self.config.arena_bytes)
-        except OSError as e:
-            log.warning("no delivery arena in %s (%s): every subscriber gets payloads as frames", self.config.shm_dir, e)
+    def _open_arena(self, gid: int | None) -> None:
+        """The delivery arena in its own directory (daemon/access.py: readable by the subscribers'
+        group only). UnsafePath for a squatted or too open directory; one that cannot be made or
+        filled here (a read-only parent, no space) costs the arena only: subscribers get frames."""
+        if self.config.arena_bytes <= 0:
             return
+        directory = self.config.resolved_arena_dir()
+        try:
+            made = prepare_arena_dir(directory, gid)
+            self.arena = Arena.create(directory, self.config.arena_bytes, gid)
+        except UnsafePath:
+            raise
+        except OSError as e:
+            log.warning("no delivery arena in %s (%s): every subscriber gets payloads as frames", directory,
+                        e.strerror or e)
+            return
+        self.arena.remove_dir = made
         self.watch.arena = self.arena
         self.watch.pin = self._pin
         for r in self._reasm.values():
@@ -474,9 +487,6 @@ class Daemon:
     def _discover(self, now: float) -> None:
         if self._doorbell is None:
             self._doorbell = Doorbell.bind(self.config.shm_dir)
-        if self.arena is None and not self._arena_tried and self.config.arena_bytes > 0 and \
-                os.path.isdir(self.config.shm_dir):
-            self._open_arena()
         for c in self._dir.step(now, DISCOVERY_WALK, DISCOVERY_OPENS):
             self._open(c, now)
         if self._dir.changed:

@@ -386,7 +386,7 @@ def test_daemon_restart_with_subscribers_attached(daemon_factory, shm_dir):
     d.start()
     second = d.status()["arena"]["path"]
     assert second != first and not os.path.exists(first)
-    assert glob.glob(os.path.join(shm_dir, af.ARENA_PREFIX + "*")) == [second]
+    assert glob.glob(os.path.join(shm_dir + ".arena", af.ARENA_PREFIX + "*")) == [second]
     while True:
         msg = q.get(timeout=30)
         if msg[0] != "at":
@@ -425,7 +425,8 @@ def test_the_arena_file_is_private_to_the_daemon_and_its_group(daemon_factory, s
     pw = pwd.getpwnam(user)
     assert pw.pw_gid != st.st_gid
     # Only the file's mode stands between that user and the arena: the directories let it through.
-    os.chmod(shm_dir, 0o755)
+    assert os.path.dirname(path) == shm_dir + ".arena"  # arena_dir's default: beside the ring directory
+    os.chmod(os.path.dirname(path), 0o755)
     os.chmod(sock_dir, 0o755)
     os.chmod(d.endpoint[len("ipc://"):], 0o777)
     probe = _as_user(pw, _try_open, path)
