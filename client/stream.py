@@ -78,6 +78,9 @@ def decode_chunk(h: dict[str, Any], frames: Sequence[Any], arena: ArenaUse | Non
     except ValueError as e:
         raise ProtocolError(str(e)) from None
     ids = np.frombuffer(h["token_ids"], "<i4")
+    for _code, a in tensors.values():
+        if len(a) != len(ids):
+            raise ProtocolError(f"tokens message of {len(ids)} positions carries an array of {len(a)} rows")
     return Chunk.from_tensors(h["request_id"], int(h["start"]), ids, int(h.get("num_prompt_tokens", 0)),
                               {n: widen(code, a) for n, (code, a) in tensors.items()})
 

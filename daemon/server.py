@@ -65,7 +65,7 @@ from vllm_tap.daemon.config import DaemonConfig
 from vllm_tap.daemon.config_load import is_loopback
 from vllm_tap.daemon.curve import CurveServer
 from vllm_tap.daemon.discovery import Candidate, RingDirectory
-from vllm_tap.daemon.messages import Frames, encode
+from vllm_tap.daemon.messages import Frames, encode_run
 from vllm_tap.daemon.peers import Peers
 from vllm_tap.daemon.reassembly import OVER_BUDGET, RING_BROKEN, Begin, Event, Reassembler, Tokens
 from vllm_tap.daemon.sequence import SequenceCounter
@@ -176,6 +176,7 @@ class _Sub:
     live_from: int = 0  # history length when attached: later messages are live (count for lag, latency)
     arena: Arena | None = None  # the subscriber maps it: descriptors instead of payload frames
     frames: Frames | None = None  # the encoded message at `index`, kept across a refused send
+    covers: int = 1  # how many history events `frames` carries (a run of tokens through the arena)
     final: Frames | None = None  # an error to send, after which the subscription ends
     final_deadline: float = 0.0
     pending: bool = False  # waiting for its name to appear
@@ -939,7 +940,8 @@ class Daemon:
                 return sent > 0
             ev = e.history[sub.index]
             if sub.frames is None:
-                sub.frames = encode(ev, e, sub.req.id, sub.req.from_position, sub.arena)
+                sub.frames, sub.covers = encode_run(e.history, sub.index, e, sub.req.id, sub.req.from_position,
+                                                    sub.arena)
                 if sub.frames is None:  # before from_position
                     sub.index += 1
                     continue
@@ -954,13 +956,17 @@ class Daemon:
                 if len(e.history) - max(sub.index, sub.live_from) > self.config.subscriber_queue:
                     self._too_slow(sub)
                 return sent > 0
+            n = sub.covers
             if sub.arena is not None and isinstance(ev, Tokens) and len(sub.frames) == 1:
-                self.counters.arena_messages += 1
-                self.counters.arena_bytes += ev.nbytes
-            if sub.index >= sub.live_from:
-                self._latency.observe(time.monotonic() - ev.at)
-            sub.index += 1
+                self.counters.arena_messages += n
+                self.counters.arena_bytes += sum(e.history[i].nbytes for i in range(sub.index, sub.index + n))
+            if sub.index + n > sub.live_from:
+                now = time.monotonic()
+                for i in range(max(sub.index, sub.live_from), sub.index + n):
+                    self._latency.observe(now - e.history[i].at)
+            sub.index += n
             sub.frames = None
+            sub.covers = 1
             sent += 1
         return True
 

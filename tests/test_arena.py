@@ -116,6 +116,52 @@ def test_tcp_endpoints_and_an_opted_out_client_get_frames_with_the_same_bytes(da
     assert d2.status()["arena_messages"] == 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_run_of_records_goes_as_one_message_and_stacks_exactly(daemon_factory, shm_dir, dtype):
+    """What one daemon pass has for a subscriber goes in one message (a name once per record); the
+    client stacks each tensor's parts. A late subscriber's replay is the longest run there is."""
+    sc = Scenario(tp=2, n_requests=1, dtype=dtype, gen_len=40, topk=3, vocab=96, hidden=24, layers=(0, 3))
+    d = daemon_factory(end_grace_s=0.5)
+    writer = subprocess.run([sys.executable, os.path.join(HERE, "synthetic_writer.py"), shm_dir, sc.to_json()],
+                            capture_output=True, text=True, timeout=60)
+    assert writer.returncode == 0, writer.stderr
+    _wait(lambda: d.status()["retained_requests"] == 1, 20, "the capture to end")
+    before = d.status()["arena_messages"]
+    sub = Client(d.endpoint).subscribe(sc.request_id(0), timeout=10)
+    chunks = [c for c in sub.chunks() if isinstance(c, Chunk)]
+    events = d.status()["arena_messages"] - before  # tokens events sent as descriptors
+    assert sum(len(c) for c in chunks) == sc.end_position and sub.end.complete
+    assert 0 < len(chunks) < events, (len(chunks), events)  # several records per message
+    cap = Client(d.endpoint).fetch(sc.request_id(0), timeout=10)
+    assert_capture(sc, 0, capture_arrays(cap))
+
+
+def test_arena_parts_of_one_name_stack_or_are_refused(shm_dir):
+    a = Arena.create(shm_dir, 4 << 20)
+    x = a.alloc((2, 8), np.float32)
+    y = a.alloc((3, 8), np.float32)
+    z = a.alloc((1, 4), np.float32)
+    x[:] = np.arange(16).reshape(2, 8)
+    y[:] = -np.arange(24).reshape(3, 8)
+    v = ArenaView(a.path, a.arena_id)
+
+    def desc(arr, name="logits", dtype="float32"):
+        block, gen, offset = a.locate(arr)
+        return [name, dtype, arr.shape[0], arr.shape[1], block, gen, offset]
+
+    got = v.copy_out([desc(x), desc(y)])
+    assert got["logits"][0] == rf.DType.FLOAT32 and (got["logits"][1] == np.concatenate([x, y])).all()
+    with pytest.raises(ValueError, match="do not stack"):
+        v.copy_out([desc(x), desc(z)])  # another width
+    with pytest.raises(ValueError, match="do not stack"):
+        v.copy_out([desc(x), desc(y, dtype="int32")])
+    # One part's region reused meanwhile: the whole message is refused, not half of it.
+    d_y = desc(y)
+    del y
+    assert v.copy_out([desc(x), d_y]) is None
+    a.close()
+
+
 # -- never garbage --
 
 
