@@ -20,14 +20,17 @@ Rules this module keeps:
   bytes at a multiple of its size and gives the tail it does not need straight back (as aligned
   buddies), so a region wastes less than one BLOCK; freed buddies merge, so a change of record
   sizes does not strand space.
-  Free lists are LIFO, so the regions reused first are the ones still in cache, and buddies are
-  merged only when a request finds no free region big enough.
+  A request takes the free region at the lowest address among those big enough, so the footprint
+  stays at the bottom of the arena: the same pages are reused, already reserved and mapped, and
+  the daemon pays for fresh tmpfs pages (reserve, zero, fault: slower than the copy itself) only
+  when it really holds more. Buddies are merged only when a request finds no free region big enough.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import heapq
 import logging
 import mmap
 import os
@@ -108,11 +111,14 @@ class Arena:
         self._gens = np.frombuffer(mm, "<u8", count=n_blocks, offset=gen_off)
         self._data_addr = np.frombuffer(mm, np.uint8, count=1, offset=data_off).ctypes.data
         self._top = top_order
-        # Free regions per order (BLOCK * 2**order bytes), offsets in BLOCK units; dicts as ordered sets.
-        self._free_at: list[dict[int, None]] = [{} for _ in range(top_order + 1)]
+        # Free regions per order (BLOCK * 2**order bytes), offsets in BLOCK units: a set, and a
+        # min-heap of the same offsets for the lowest one (entries no longer in the set are stale,
+        # dropped when they reach the top).
+        self._free_at: list[set[int]] = [set() for _ in range(top_order + 1)]
+        self._heap_at: list[list[int]] = [[] for _ in range(top_order + 1)]
         top_blocks = 1 << top_order
         for b in range(0, n_blocks, top_blocks):
-            self._free_at[top_order][b] = None
+            self._add_free(top_order, b)
         self._committed = bytearray((size + COMMIT_CHUNK - 1) // COMMIT_CHUNK)
         self.allocated_bytes = 0
         self.peak_bytes = 0
@@ -236,23 +242,40 @@ class Arena:
             b = self._find(order)
         return b
 
+    def _add_free(self, k: int, b: int) -> None:
+        self._free_at[k].add(b)
+        heap = self._heap_at[k]
+        heapq.heappush(heap, b)
+        if len(heap) > 2 * len(self._free_at[k]) + 64:
+            self._heap_at[k] = sorted(self._free_at[k])  # shed stale entries (a sorted list is a heap)
+
+    def _lowest(self, k: int) -> int | None:
+        heap, free = self._heap_at[k], self._free_at[k]
+        while heap and heap[0] not in free:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
     def _find(self, order: int) -> int | None:
-        k = order
-        while k <= self._top and not self._free_at[k]:
-            k += 1
-        if k > self._top:
+        best = kbest = None
+        for k in range(order, self._top + 1):
+            b = self._lowest(k) if self._free_at[k] else None
+            if b is not None and (best is None or b < best):
+                best, kbest = b, k
+        if best is None:
             return None
-        b, _ = self._free_at[k].popitem()
+        k = kbest
+        heapq.heappop(self._heap_at[k])
+        self._free_at[k].discard(best)
         while k > order:  # split: keep the lower half, free the upper
             k -= 1
-            self._free_at[k][b + (1 << k)] = None
-        return b
+            self._add_free(k, best + (1 << k))
+        return best
 
     def _give_range(self, lo: int, hi: int) -> None:
         """Blocks [lo, hi) back, as the largest aligned buddies that tile them."""
         while lo < hi:
             k = min((lo & -lo).bit_length() - 1 if lo else self._top, (hi - lo).bit_length() - 1, self._top)
-            self._free_at[k][lo] = None
+            self._add_free(k, lo)
             lo += 1 << k
 
     def _coalesce(self) -> bool:
@@ -260,11 +283,11 @@ class Arena:
         merged = False
         for order in range(self._top):
             fl = self._free_at[order]
-            up = self._free_at[order + 1]
             for b in sorted(fl):
                 if b in fl and (b ^ (1 << order)) in fl:
-                    del fl[b], fl[b ^ (1 << order)]
-                    up[min(b, b ^ (1 << order))] = None
+                    fl.discard(b)
+                    fl.discard(b ^ (1 << order))
+                    self._add_free(order + 1, min(b, b ^ (1 << order)))
                     merged = True
         return merged
 
