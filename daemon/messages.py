@@ -27,9 +27,12 @@ def arena_advert(arena: "Arena | None") -> list | None:
 
 # Through the arena, consecutive tokens events of one capture go out as one message (rows stacked):
 # what one pass of the daemon has for a subscriber, never waiting for more. Bounded so a header
-# stays small (descriptors are ~40 bytes each).
+# stays small (descriptors are ~40 bytes each) and the client's stacked arrays stay well below
+# glibc's largest mmap threshold (32 MiB): above it every array would be fresh pages, faulted in
+# by the copy at a fraction of memcpy speed.
 RUN_EVENTS = 64
 RUN_DESCS = 1024
+RUN_BYTES = 8 << 20
 
 
 def _wire(ev: Tokens, arena: "Arena | None") -> list:
@@ -60,6 +63,7 @@ def encode_run(history: list[Event], index: int, entry: Entry, sub_id: int, from
     sig = w[2]
     ids, descs = [w[0]], list(w[1])
     stop = ev.stop
+    nbytes = ev.nbytes
     j = index + 1
     end = min(len(history), index + RUN_EVENTS)
     while j < end:
@@ -67,8 +71,9 @@ def encode_run(history: list[Event], index: int, entry: Entry, sub_id: int, from
         if not isinstance(nxt, Tokens) or nxt.start != stop:
             break
         nw = _wire(nxt, arena)
-        if nw[1] is None or nw[2] != sig or len(descs) + len(nw[1]) > RUN_DESCS:
+        if nw[1] is None or nw[2] != sig or len(descs) + len(nw[1]) > RUN_DESCS or nbytes + nxt.nbytes > RUN_BYTES:
             break
+        nbytes += nxt.nbytes
         ids.append(nw[0])
         descs.extend(nw[1])
         stop = nxt.stop
