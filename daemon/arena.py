@@ -20,7 +20,7 @@ Rules this module keeps:
   bytes at a multiple of its size and gives the tail it does not need straight back (as aligned
   buddies), so a region wastes less than one BLOCK; freed buddies merge, so a change of record
   sizes does not strand space.
-  A request takes the free region at the lowest address among those big enough, so the footprint
+  A request takes the lowest free region of the smallest size that has one, so the footprint
   stays at the bottom of the arena: the same pages are reused, already reserved and mapped, and
   the daemon pays for fresh tmpfs pages (reserve, zero, fault: slower than the copy itself) only
   when it really holds more. Buddies are merged only when a request finds no free region big enough.
@@ -231,6 +231,15 @@ class Arena:
 
     def locate(self, arr: np.ndarray) -> tuple[int, int, int] | None:
         """(block, gen, offset) of an array that lies in this arena (C-contiguous), else None."""
+        b = arr.base
+        if (type(b) is np.ndarray and isinstance(b.base, _Region) and b.size == arr.size and b.dtype == arr.dtype
+                and arr.flags.c_contiguous):
+            # What alloc() handed out, whole (the usual case): it starts where its region starts,
+            # and asking numpy for the address (arr.ctypes) costs more than the rest of this.
+            owner = b.base
+            if owner._arena is not self:
+                return None
+            return owner._off, owner._gen, owner._off * af.BLOCK
         owner = _owner(arr)
         if not isinstance(owner, _Region) or owner._arena is not self or not arr.flags.c_contiguous:
             return None
@@ -256,14 +265,15 @@ class Arena:
         return heap[0] if heap else None
 
     def _find(self, order: int) -> int | None:
-        best = kbest = None
-        for k in range(order, self._top + 1):
-            b = self._lowest(k) if self._free_at[k] else None
-            if b is not None and (best is None or b < best):
-                best, kbest = b, k
-        if best is None:
+        # The smallest size that has a free region, its lowest one (splitting keeps lower halves,
+        # so what is left free of a size tends to lie above what is in use).
+        k = order
+        free_at = self._free_at
+        while k <= self._top and not free_at[k]:
+            k += 1
+        if k > self._top:
             return None
-        k = kbest
+        best = self._lowest(k)
         heapq.heappop(self._heap_at[k])
         self._free_at[k].discard(best)
         while k > order:  # split: keep the lower half, free the upper

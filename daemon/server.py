@@ -910,7 +910,9 @@ class Daemon:
         """True if sent, False if the peer's queue is full now, None if the peer is gone."""
         assert self._sock is not None
         try:
-            self._sock.send_multipart(envelope + frames, flags=zmq.NOBLOCK, copy=False)
+            # Buffers go without a copy; a lone header (descriptors, begin, gap, end) is cheaper copied
+            # than tracked as a zero-copy frame.
+            self._sock.send_multipart(envelope + frames, flags=zmq.NOBLOCK, copy=len(frames) == 1)
         except zmq.Again:
             return False
         except zmq.ZMQError as e:

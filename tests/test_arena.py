@@ -326,6 +326,20 @@ def test_allocator_regions_never_overlap_and_everything_comes_back(shm_dir):
         a.close()
 
 
+def test_locate_gives_every_view_its_own_offset_or_none(shm_dir):
+    a = Arena.create(shm_dir, 4 << 20)
+    a.alloc((5, 100), np.float32)  # so the next region does not start at 0
+    x = a.alloc((4, 64), np.float32)
+    base = x.ctypes.data
+    for view in (x, x[1:], x[2:3], x.reshape(-1), x.reshape(2, 128)):
+        block, _gen, off = a.locate(view)
+        assert off == view.ctypes.data - base + block * af.BLOCK, view.shape
+    for view in (x.T, x[::-1], x[:, 1:3], x.reshape(-1)[::-1]):  # not C-contiguous: not describable
+        assert a.locate(view) is None
+    assert a.locate(np.zeros((4, 64), np.float32)) is None
+    a.close()
+
+
 def test_allocator_keeps_the_footprint_at_the_bottom(shm_dir):
     """Fresh tmpfs pages cost more than the copy into them (reserve, zero, fault): regions come from
     the lowest free address, so a steady load keeps reusing the same pages at the bottom of the
