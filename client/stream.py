@@ -247,14 +247,15 @@ REFUSAL_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PR
 MECHANISM_MISMATCH = zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
 
 
-def close_monitored(sock: zmq.Socket, mon: zmq.Socket) -> None:
-    """Close a socket and the monitor watching it for refusals (blocking or asyncio sockets)."""
+def close_monitored(sock: zmq.Socket, mon: zmq.Socket, linger_ms: int = 0) -> None:
+    """Close a socket and the monitor watching it for refusals (blocking or asyncio sockets);
+    `linger_ms`: how long a last message (a cancel) may still go out, in the background."""
     try:
         sock.disable_monitor()
     except zmq.ZMQError:
         pass
     mon.close(linger=0)
-    sock.close(linger=0)
+    sock.close(linger=linger_ms)
 
 
 def refused_message(endpoint: str, status: int, curve: bool = False) -> str:

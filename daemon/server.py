@@ -28,7 +28,8 @@ Subscribers and watchers that offered to map it (same host: ipc://) get descript
 get the same arrays as frames. Regions go back when the daemon drops what references them. A
 descriptor handed to zmq is not yet copied by its subscriber (up to two socket queues of them
 may be on the way), so a capture whose last message went to an arena subscriber stays pinned for
-`arena_linger_s` more (retention may have dropped it meanwhile), or until that peer is gone, and
+`arena_linger_s` more (retention may have dropped it meanwhile), or until that peer is gone or
+says it read to the End (it cancels the finished subscription), and
 pins never hold more than half of arena_bytes in all (oldest let go first). A subscriber still slower
 than that finds the generation of a reused region moved: a Gap, never other bytes. A dead
 subscriber's pins go with its connection (the liveness probe notices within a second).
@@ -256,8 +257,9 @@ class Daemon:
         self._doorbell: Doorbell | None = None  # writers wake us through it; bound once shm_dir exists
         self.arena: Arena | None = None  # delivered arrays; created at start-up (arena_bytes > 0)
         # Captures fully handed to an arena subscriber's socket, kept until it had time to copy them:
-        # routing id -> [(deadline, entry)], plus the bytes they hold (see the module docstring).
-        self._pins: dict[bytes, list[tuple[float, Entry]]] = {}
+        # routing id -> [(deadline, entry, subscription id)], plus the bytes they hold (see the
+        # module docstring). A client that read to the End says so (a cancel): its pins go then.
+        self._pins: dict[bytes, list[tuple[float, Entry, int | None]]] = {}
         self._pinned_bytes = 0
         self.nofile = 0
         self._refusal_logs = LOG_FIRST
@@ -839,10 +841,10 @@ class Daemon:
                     del self._by_key[sub.entry.key]
             sub.entry = None
 
-    def _pin(self, routing_id: bytes, entry: Entry) -> None:
+    def _pin(self, routing_id: bytes, entry: Entry, sub_id: int | None = None) -> None:
         if self.config.arena_linger_s <= 0:
             return
-        self._pins.setdefault(routing_id, []).append((time.monotonic() + self.config.arena_linger_s, entry))
+        self._pins.setdefault(routing_id, []).append((time.monotonic() + self.config.arena_linger_s, entry, sub_id))
         self._pinned_bytes += entry.nbytes
         cap = self.config.arena_bytes // 2
         if self._pinned_bytes > cap:
@@ -869,6 +871,21 @@ class Daemon:
             else:
                 self._pins.pop(rid, None)
         self._pinned_bytes -= freed
+
+    def _release(self, routing_id: bytes, sub_id: int) -> None:
+        """A client cancels a subscription that already ended: it has read (copied) everything up
+        to the End, so what was pinned for it may go now rather than at its deadline."""
+        pins = self._pins.get(routing_id)
+        if not pins:
+            return
+        kept = [p for p in pins if p[2] != sub_id]
+        if len(kept) == len(pins):
+            return
+        self._pinned_bytes -= sum(p[1].nbytes for p in pins if p[2] == sub_id)
+        if kept:
+            self._pins[routing_id] = kept
+        else:
+            del self._pins[routing_id]
 
     def _peer_gone(self, routing_id: bytes) -> None:
         if routing_id in self._pins:
@@ -937,7 +954,7 @@ class Daemon:
                 self._active.discard(sub)
                 if e is not None and e.end is not None:
                     if sub.arena is not None:
-                        self._pin(sub.envelope[0], e)
+                        self._pin(sub.envelope[0], e, sub.req.id)
                     self._remove(sub)  # everything up to the End went out
                 return sent > 0
             ev = e.history[sub.index]
@@ -1012,6 +1029,7 @@ class Daemon:
                 if old is not None:
                     self._remove(old)
                 else:
+                    self._release(envelope[0], req.id)
                     self.watch.cancel(envelope, req.id)
             elif isinstance(req, wf.WatchRequest):
                 refused = self.watch.attach(envelope, req, now)

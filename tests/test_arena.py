@@ -136,6 +136,47 @@ def test_a_run_of_records_goes_as_one_message_and_stacks_exactly(daemon_factory,
     assert_capture(sc, 0, capture_arrays(cap))
 
 
+def test_a_subscriber_that_read_to_the_end_lets_its_pins_go_at_once(daemon_factory, shm_dir):
+    """What the daemon keeps for an arena subscriber after the End (arena_linger_s) is only for
+    descriptors not yet copied: a client that read to the End says so (it cancels the finished
+    subscription), and the daemon lets go then, not at the deadline or when the peer disconnects
+    (a 1 MB stream used to keep a whole capture pinned into the next one: fresh arena pages)."""
+    import zmq
+
+    from vllm_tap import wire_format as wf
+
+    sc = Scenario(tp=1, n_requests=1, gen_len=6)
+    d = daemon_factory(end_grace_s=0.5, arena_linger_s=600)
+    writer = subprocess.run([sys.executable, os.path.join(HERE, "synthetic_writer.py"), shm_dir, sc.to_json()],
+                            capture_output=True, text=True, timeout=60)
+    assert writer.returncode == 0, writer.stderr
+    _wait(lambda: d.status()["retained_requests"] == 1, 20, "the capture to end")
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)  # stays connected throughout: only the cancel can free the pin
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(d.endpoint)
+    try:
+        sock.send_multipart(wf.Subscribe(7, sc.request_id(0), arena=True).frames())
+        while True:
+            assert sock.poll(10000), "no message from the daemon"
+            h = wf.unpack_header(sock.recv_multipart()[0])
+            assert h["type"] != wf.ERROR, h
+            if h["type"] == wf.END:
+                break
+        _wait(lambda: d.status()["arena"]["pinned_captures"] == 1, 10, "the pin")
+        time.sleep(1.5)  # the liveness probe runs: the peer is there, the pin stays
+        assert d.status()["arena"]["pinned_captures"] == 1
+        sock.send_multipart(wf.Cancel(7).frames())
+        _wait(lambda: d.status()["arena"]["pinned_captures"] == 0, 5, "the pin to go")
+        assert d.status()["arena"]["pinned_bytes"] == 0
+        # The client library sends that cancel by itself after the End.
+        sub = Client(d.endpoint).subscribe(sc.request_id(0), timeout=10)
+        assert sum(len(c) for c in sub.chunks() if isinstance(c, Chunk)) == sc.end_position
+        _wait(lambda: d.status()["arena"]["pinned_captures"] == 0, 0.9, "the library's release")
+    finally:
+        sock.close(linger=0)
+
+
 def test_arena_parts_of_one_name_stack_or_are_refused(shm_dir):
     a = Arena.create(shm_dir, 4 << 20)
     x = a.alloc((2, 8), np.float32)
