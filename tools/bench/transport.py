@@ -479,6 +479,7 @@ def _round(params: TransportParams, poll_s: float, r: int, workdir: str | None, 
             procs.stop()
         daemon.stop()
         shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(shm + ".arena", ignore_errors=True)  # the daemon removes it at a clean stop
         shutil.rmtree(sock, ignore_errors=True)
 
 
