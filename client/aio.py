@@ -56,12 +56,12 @@ class AsyncSubscription(SubscriptionView):
                     await _check_refused(mon, st.endpoint)
                     await _send(sock, st.on_silence(loop.time()))
         finally:
-            if not st.done:
+            if not st.done or st.arena.view is not None:  # see client/sync.py
                 try:
                     sock.send_multipart(st.cancel(), flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
-            close_monitored(sock, mon)
+            close_monitored(sock, mon, linger_ms=100 if st.arena.view is not None else 0)
 
 
 def _dealer(ctx: zmq.asyncio.Context) -> zmq.asyncio.Socket:

@@ -73,9 +73,13 @@ class ArenaView:
 
     def copy_out(self, descs: Sequence[Sequence[Any]]) -> dict[str, tuple[int, np.ndarray]] | None:
         """(dtype code, private array) per name, or None when any region was reused before it was
-        copied (OVERWRITTEN). ValueError for a descriptor that does not fit the arena."""
-        out: dict[str, tuple[int, np.ndarray]] = {}
+        copied (OVERWRITTEN). A name may come several times (a run of records in one message): its
+        parts are stacked row-wise, in order, into one array. ValueError for a descriptor that does
+        not fit the arena, or parts of one name that do not stack."""
+        parts: dict[str, list[tuple[int, int, int, int]]] = {}
+        codes: dict[str, int] = {}
         checks = []
+        data_len = self.capacity
         for d in descs:
             try:
                 name, dtype_name, rows, cols, block, gen, offset = d
@@ -83,22 +87,41 @@ class ArenaView:
                 rows, cols, block, gen, offset = int(rows), int(cols), int(block), int(gen), int(offset)
             except (KeyError, TypeError, ValueError):
                 raise ValueError(f"bad arena descriptor {d!r}") from None
-            dt = rf.storage_dtype(code)
-            n = rows * cols * dt.itemsize
+            n = rows * cols * _ITEMSIZE[code]
             if (rows < 0 or cols < 0 or not 0 <= block < self.n_blocks or offset < block * af.BLOCK
-                    or offset + n > self.capacity):
+                    or offset + n > data_len):
                 raise ValueError(f"arena descriptor {d!r} lies outside the arena of {self.capacity} bytes")
-            # One memcpy into a private array (numpy's copy of a slice of the map).
-            out[name] = (code, self._data[offset : offset + n].copy().view(dt).reshape(rows, cols))
+            if codes.setdefault(name, code) != code or (name in parts and parts[name][0][1] != cols):
+                raise ValueError(f"arena descriptors of {name!r} do not stack: {d!r}")
+            parts.setdefault(name, []).append((rows, cols, offset, n))
             checks.append((block, gen))
+        out: dict[str, tuple[int, np.ndarray]] = {}
+        data = self._data
+        for name, ps in parts.items():
+            dt = _STORAGE[codes[name]]
+            if len(ps) == 1:  # one memcpy into a private array (numpy's copy of a slice of the map)
+                rows, cols, offset, n = ps[0]
+                arr = data[offset : offset + n].copy().view(dt).reshape(rows, cols)
+            else:  # each part once, straight into its rows of the one array
+                total = sum(p[3] for p in ps)
+                flat = np.empty(total, np.uint8)
+                at = 0
+                for _rows, _cols, offset, n in ps:
+                    flat[at : at + n] = data[offset : offset + n]
+                    at += n
+                arr = flat.view(dt).reshape(sum(p[0] for p in ps), ps[0][1])
+            out[name] = (codes[name], arr)
         # After every copy: a region freed (and maybe rewritten) meanwhile shows a new generation.
+        gens = self._gens
         for block, gen in checks:
-            if int(self._gens[block]) != gen:
+            if int(gens[block]) != gen:
                 self.overwritten += 1
                 return None
         return out
 
 
+_STORAGE = {code: rf.storage_dtype(code) for code in rf.DTYPE_NAMES}
+_ITEMSIZE = {code: dt.itemsize for code, dt in _STORAGE.items()}
 _views: dict[tuple[str, int], ArenaView] = {}
 _failed: dict[tuple[str, int], str] = {}
 _lock = threading.Lock()
@@ -118,7 +141,9 @@ def view(path: str, arena_id: int) -> ArenaView:
             v = _views[key] = ArenaView(path, arena_id)
         except (ArenaError, OSError, ValueError) as e:
             _failed[key] = str(e)
-            log.info("delivery through shared memory unavailable (%s): payloads come as frames", e)
+            # Once per arena and process: the data is the same, the path slower (and the operator's
+            # access model is probably not what they meant: docs/operate.md, "Access model").
+            log.warning("delivery through shared memory unavailable (%s): payloads come as frames (slower)", e)
             raise ArenaError(0, str(e)) from None
         return v
 

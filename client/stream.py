@@ -78,6 +78,9 @@ def decode_chunk(h: dict[str, Any], frames: Sequence[Any], arena: ArenaUse | Non
     except ValueError as e:
         raise ProtocolError(str(e)) from None
     ids = np.frombuffer(h["token_ids"], "<i4")
+    for _code, a in tensors.values():
+        if len(a) != len(ids):
+            raise ProtocolError(f"tokens message of {len(ids)} positions carries an array of {len(a)} rows")
     return Chunk.from_tensors(h["request_id"], int(h["start"]), ids, int(h.get("num_prompt_tokens", 0)),
                               {n: widen(code, a) for n, (code, a) in tensors.items()})
 
@@ -244,14 +247,15 @@ REFUSAL_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PR
 MECHANISM_MISMATCH = zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
 
 
-def close_monitored(sock: zmq.Socket, mon: zmq.Socket) -> None:
-    """Close a socket and the monitor watching it for refusals (blocking or asyncio sockets)."""
+def close_monitored(sock: zmq.Socket, mon: zmq.Socket, linger_ms: int = 0) -> None:
+    """Close a socket and the monitor watching it for refusals (blocking or asyncio sockets);
+    `linger_ms`: how long a last message (a cancel) may still go out, in the background."""
     try:
         sock.disable_monitor()
     except zmq.ZMQError:
         pass
     mon.close(linger=0)
-    sock.close(linger=0)
+    sock.close(linger=linger_ms)
 
 
 def refused_message(endpoint: str, status: int, curve: bool = False) -> str:

@@ -62,9 +62,11 @@ class Subscription(SubscriptionView):
                 while st.outbox:
                     _send(sock, st.outbox.pop(0))
         finally:
-            if not st.done:
+            # Not done: stop the daemon sending. Done through the arena: everything up to the End
+            # is copied, so what the daemon still keeps for us (arena_linger_s) may go now.
+            if not st.done or st.arena.view is not None:
                 _send(sock, st.cancel())
-            close_monitored(sock, mon)
+            close_monitored(sock, mon, linger_ms=100 if st.arena.view is not None else 0)
             self._sock = None
 
     def close(self) -> None:

@@ -14,6 +14,13 @@ Rules this module keeps:
 - An instance directory or a ring that fails the same rules is not read: one line, counted
   (`rings_refused`, `dirs_refused` in status). Rings and directories are opened without following
   links (discovery.py) and judged by fstat of what was opened.
+- The arena's directory (`arena_dir`, default `<shm_dir>.arena`) is the daemon's own: made 0750 in
+  `socket_group` (0700 without) when missing; an existing one must be ours, not a link, no looser
+  than that (setgid allowed), else start-up stops with one line naming it. One of ours in another
+  group is handed to `socket_group`. The arena file in it is 0640 in that group: subscribers map
+  it read-only, writers and everyone else cannot even list the directory. It is not under the
+  shm directory, which readers may not enter, and not in /run, usually a small tmpfs (the arena
+  may grow to `arena_bytes`, 2 GiB by default); /dev/shm is already sized for shared memory.
 - The socket's directory is made 0700 (0750 in `socket_group`) when missing; an existing one must be
   ours with no more than that mode, or root's and not writable by others (/run, /tmp): otherwise
   start-up stops with one line naming it. The socket itself is then narrowed to 0600 (0660 in
@@ -27,7 +34,8 @@ import os
 import stat
 from dataclasses import dataclass
 
-from vllm_tap.safe_paths import Expect, UnsafePath, dir_mode, ensure_dir, gid_of, me, open_dir, uid_of, user_name
+from vllm_tap.safe_paths import (Expect, UnsafePath, dir_mode, ensure_dir, gid_of, group_name, me, open_dir, uid_of,
+                                 user_name)
 
 from vllm_tap.daemon.config import DaemonConfig
 
@@ -107,6 +115,35 @@ def prepare_socket_dir(directory: str, gid: int | None) -> None:
             # Ours (say systemd's RuntimeDirectory=, made in the unit's group): hand it to the subscribers.
             os.fchown(fd, -1, gid)
             os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def prepare_arena_dir(directory: str, gid: int | None) -> bool:
+    """Make (or check) the arena's directory; True when this call made it (the daemon removes it
+    again at stop). UnsafePath (one line) when an existing one is not ours or is too open."""
+    mode = 0o750 if gid is not None else 0o700
+    expect = Expect(mode | stat.S_ISGID, frozenset({os.geteuid()}))
+    try:
+        fd = open_dir(directory, "arena directory")
+    except FileNotFoundError:
+        ensure_dir(directory, mode, Expect(mode, frozenset({os.geteuid()}), gid), gid=gid, what="arena directory",
+                   parents=False)
+        return True
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise UnsafePath(f"arena directory {directory} is owned by {user_name(st.st_uid)}, not by "
+                             f"{user_name(os.geteuid())}: remove it (whoever made it could read the captures "
+                             "placed in it) or set arena_dir")
+        expect.check_fd(fd, directory, "arena directory")
+        if gid is not None and st.st_gid != gid:
+            try:  # ours (say made by tmpfiles.d in another group): hand it to the subscribers
+                os.fchown(fd, -1, gid)
+            except PermissionError:
+                raise UnsafePath(f"cannot give arena directory {directory} to group {group_name(gid)}: this "
+                                 f"account ({user_name(os.geteuid())}) is not in it") from None
+        return False
     finally:
         os.close(fd)
 

@@ -1,10 +1,12 @@
 """The daemon's delivery arena: shared memory that holds the arrays it delivers (layout: vllm_tap.arena_format).
 
 Rules this module keeps:
-- One file per daemon run, `<shm_dir>/.arena-<arena_id>`, created O_EXCL | O_NOFOLLOW with mode
-  0640 (set again with fchmod, whatever the umask): the daemon's user writes it, its group may
-  map it read-only, nobody else can open it. Files of earlier runs whose daemon is dead are removed
-  at start; our own is removed at stop (clients that mapped it keep their mapping).
+- One file per daemon run, `<arena_dir>/.arena-<arena_id>`, created O_EXCL | O_NOFOLLOW with mode
+  0640 (set again with fchmod, whatever the umask) in the subscribers' group (socket_group; the
+  daemon's own group without one): the daemon's user writes it, that group may map it read-only,
+  nobody else can open it. The directory is the daemon's own (daemon/access.prepare_arena_dir):
+  not the shm directory, which subscribers may not enter. Files of earlier runs whose daemon is
+  dead are removed at start; our own is removed at stop (clients that mapped it keep their mapping).
 - The daemon never faults on it: tmpfs pages are reserved with posix_fallocate, COMMIT_CHUNK at a
   time, before a region in them is handed out. When /dev/shm is full, or the arena is, `alloc`
   returns None and the caller keeps the array on its heap (delivered as frames): slower, never lost.
@@ -18,14 +20,17 @@ Rules this module keeps:
   bytes at a multiple of its size and gives the tail it does not need straight back (as aligned
   buddies), so a region wastes less than one BLOCK; freed buddies merge, so a change of record
   sizes does not strand space.
-  Free lists are LIFO, so the regions reused first are the ones still in cache, and buddies are
-  merged only when a request finds no free region big enough.
+  A request takes the lowest free region of the smallest size that has one, so the footprint
+  stays at the bottom of the arena: the same pages are reused, already reserved and mapped, and
+  the daemon pays for fresh tmpfs pages (reserve, zero, fault: slower than the copy itself) only
+  when it really holds more. Buddies are merged only when a request finds no free region big enough.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import heapq
 import logging
 import mmap
 import os
@@ -45,12 +50,14 @@ MAX_TOP = 1 << 30  # the largest region; a bigger array stays on the heap
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def create_private_file(dir_fd: int, name: str, mode: int) -> int:
+def create_private_file(dir_fd: int, name: str, mode: int, gid: int | None = None) -> int:
     """A new regular file `name` under an opened directory, readable as `mode` allows and no more:
-    O_EXCL (never someone else's file or link), O_NOFOLLOW, then fchmod (the umask cannot widen or
-    narrow it unexpectedly). Returns the read-write descriptor."""
-    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    O_EXCL (never someone else's file or link), O_NOFOLLOW, in group `gid` if given, then fchmod
+    (the umask cannot widen or narrow it unexpectedly). Returns the read-write descriptor."""
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode & 0o600, dir_fd=dir_fd)
     try:
+        if gid is not None:
+            os.fchown(fd, -1, gid)
         os.fchmod(fd, mode)
     except BaseException:
         os.close(fd)
@@ -104,11 +111,14 @@ class Arena:
         self._gens = np.frombuffer(mm, "<u8", count=n_blocks, offset=gen_off)
         self._data_addr = np.frombuffer(mm, np.uint8, count=1, offset=data_off).ctypes.data
         self._top = top_order
-        # Free regions per order (BLOCK * 2**order bytes), offsets in BLOCK units; dicts as ordered sets.
-        self._free_at: list[dict[int, None]] = [{} for _ in range(top_order + 1)]
+        # Free regions per order (BLOCK * 2**order bytes), offsets in BLOCK units: a set, and a
+        # min-heap of the same offsets for the lowest one (entries no longer in the set are stale,
+        # dropped when they reach the top).
+        self._free_at: list[set[int]] = [set() for _ in range(top_order + 1)]
+        self._heap_at: list[list[int]] = [[] for _ in range(top_order + 1)]
         top_blocks = 1 << top_order
         for b in range(0, n_blocks, top_blocks):
-            self._free_at[top_order][b] = None
+            self._add_free(top_order, b)
         self._committed = bytearray((size + COMMIT_CHUNK - 1) // COMMIT_CHUNK)
         self.allocated_bytes = 0
         self.peak_bytes = 0
@@ -118,12 +128,13 @@ class Arena:
         self.committed_bytes = 0
         self._closed = False
         self._warned = False
+        self.remove_dir = False  # close() removes the directory too (the daemon made it for this run)
 
     # -- life --
 
     @classmethod
-    def create(cls, directory: str, capacity: int) -> "Arena":
-        """OSError when the directory cannot hold it."""
+    def create(cls, directory: str, capacity: int, gid: int | None = None) -> "Arena":
+        """OSError when the directory cannot hold it. `gid`: the group that may map it (subscribers)."""
         top_order = 0
         want = max(af.BLOCK, min(capacity, MAX_TOP))
         while (af.BLOCK << top_order) < want:
@@ -135,7 +146,7 @@ class Arena:
             remove_stale(dir_fd, directory)
             arena_id = secrets.randbits(63) | 1
             name = af.arena_name(arena_id)
-            fd = create_private_file(dir_fd, name, af.FILE_MODE)
+            fd = create_private_file(dir_fd, name, af.FILE_MODE, gid)
         except BaseException:
             os.close(dir_fd)
             raise
@@ -168,6 +179,13 @@ class Arena:
                 os.unlink(self._name, dir_fd=self._dir_fd)
         except OSError:
             pass
+        if self.remove_dir:  # made by this run (not by systemd or tmpfiles.d): leave nothing behind
+            d = os.path.dirname(self.path)
+            try:
+                if os.stat(d, follow_symlinks=False).st_ino == os.fstat(self._dir_fd).st_ino:
+                    os.rmdir(d)
+            except OSError:
+                pass  # not empty (someone else's file?), or gone: leave it
         os.close(self._dir_fd)
 
     # -- allocation --
@@ -213,6 +231,15 @@ class Arena:
 
     def locate(self, arr: np.ndarray) -> tuple[int, int, int] | None:
         """(block, gen, offset) of an array that lies in this arena (C-contiguous), else None."""
+        b = arr.base
+        if (type(b) is np.ndarray and isinstance(b.base, _Region) and b.size == arr.size and b.dtype == arr.dtype
+                and arr.flags.c_contiguous):
+            # What alloc() handed out, whole (the usual case): it starts where its region starts,
+            # and asking numpy for the address (arr.ctypes) costs more than the rest of this.
+            owner = b.base
+            if owner._arena is not self:
+                return None
+            return owner._off, owner._gen, owner._off * af.BLOCK
         owner = _owner(arr)
         if not isinstance(owner, _Region) or owner._arena is not self or not arr.flags.c_contiguous:
             return None
@@ -224,23 +251,41 @@ class Arena:
             b = self._find(order)
         return b
 
+    def _add_free(self, k: int, b: int) -> None:
+        self._free_at[k].add(b)
+        heap = self._heap_at[k]
+        heapq.heappush(heap, b)
+        if len(heap) > 2 * len(self._free_at[k]) + 64:
+            self._heap_at[k] = sorted(self._free_at[k])  # shed stale entries (a sorted list is a heap)
+
+    def _lowest(self, k: int) -> int | None:
+        heap, free = self._heap_at[k], self._free_at[k]
+        while heap and heap[0] not in free:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
     def _find(self, order: int) -> int | None:
+        # The smallest size that has a free region, its lowest one (splitting keeps lower halves,
+        # so what is left free of a size tends to lie above what is in use).
         k = order
-        while k <= self._top and not self._free_at[k]:
+        free_at = self._free_at
+        while k <= self._top and not free_at[k]:
             k += 1
         if k > self._top:
             return None
-        b, _ = self._free_at[k].popitem()
+        best = self._lowest(k)
+        heapq.heappop(self._heap_at[k])
+        self._free_at[k].discard(best)
         while k > order:  # split: keep the lower half, free the upper
             k -= 1
-            self._free_at[k][b + (1 << k)] = None
-        return b
+            self._add_free(k, best + (1 << k))
+        return best
 
     def _give_range(self, lo: int, hi: int) -> None:
         """Blocks [lo, hi) back, as the largest aligned buddies that tile them."""
         while lo < hi:
             k = min((lo & -lo).bit_length() - 1 if lo else self._top, (hi - lo).bit_length() - 1, self._top)
-            self._free_at[k][lo] = None
+            self._add_free(k, lo)
             lo += 1 << k
 
     def _coalesce(self) -> bool:
@@ -248,11 +293,11 @@ class Arena:
         merged = False
         for order in range(self._top):
             fl = self._free_at[order]
-            up = self._free_at[order + 1]
             for b in sorted(fl):
                 if b in fl and (b ^ (1 << order)) in fl:
-                    del fl[b], fl[b ^ (1 << order)]
-                    up[min(b, b ^ (1 << order))] = None
+                    fl.discard(b)
+                    fl.discard(b ^ (1 << order))
+                    self._add_free(order + 1, min(b, b ^ (1 << order)))
                     merged = True
         return merged
 

@@ -36,6 +36,7 @@ class DaemonConfig:
     subscriber_queue: int = 10000  # messages queued per subscriber before it is cut off as too slow
     inflight_bytes: int = 4 << 30  # held for captures not ended yet; beyond, the biggest is cut (gaps)
     arena_bytes: int = 2 << 30  # shared memory for delivered arrays (same-host subscribers map it); 0 = off
+    arena_dir: str = ""  # the arena's directory, readable by socket_group; "" = resolved_arena_dir()
     arena_linger_s: float = 10.0  # a capture fully sent to an arena subscriber stays this long for it to copy
     max_connections: int = 4096  # connections to the socket in all; more are refused
     max_connections_per_peer: int = 1024  # per process (ipc://) or address (tcp://)
@@ -58,3 +59,8 @@ class DaemonConfig:
 
     def resolved_state_dir(self) -> str:
         return self.state_dir or default_state_dir()
+
+    def resolved_arena_dir(self) -> str:
+        """`<shm_dir>.arena`: beside the ring directory (readers may not enter that one), on the same
+        file system (/dev/shm: its size is already planned for shared memory; /run is often small)."""
+        return self.arena_dir or self.shm_dir.rstrip("/") + ".arena"

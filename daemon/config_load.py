@@ -47,10 +47,13 @@ DOCS: dict[str, str] = {
     "inflight_bytes": "Memory for captures that have not ended yet (their histories and what reassembly holds); "
     "beyond it the biggest capture is cut: its remaining positions become gaps saying `over budget`. Raise it "
     "for long full-logit captures (bytes; `4GiB` accepted).",
-    "arena_bytes": "Shared memory (`<shm_dir>/.arena-<id>`, mode 0640) holding the arrays the daemon delivers "
-    "and retains; subscribers on the same host (`ipc://`) map it read-only and receive descriptors instead of "
-    "payloads. tmpfs pages are reserved as it fills; arrays that do not fit are delivered as frames. 0 = off "
+    "arena_bytes": "Shared memory (a file `.arena-<id>` in `arena_dir`, mode 0640) holding the arrays the daemon "
+    "delivers and retains; subscribers on the same host (`ipc://`) map it read-only and receive descriptors instead "
+    "of payloads. tmpfs pages are reserved as it fills; arrays that do not fit are delivered as frames. 0 = off "
     "(bytes; `2GiB` accepted).",
+    "arena_dir": "Directory of the arena file: the daemon's own, mode 0750 in `socket_group` (0700 without), so "
+    "subscribers may map the arena and nobody else may look; an existing one owned by someone else, a link, or "
+    "looser than that stops start-up (one line). Empty = `<shm_dir>.arena` (`/dev/shm/vllm-tap.arena`).",
     "arena_linger_s": "After the last message of a capture went to a subscriber through the arena, how long its "
     "arrays are kept for that subscriber to copy them even if retention dropped the capture (seconds); a subscriber "
     "slower than this gets a gap saying `overwritten`. Pins go with the subscriber's connection and never exceed "
@@ -251,6 +254,11 @@ def _validate_access(cfg: DaemonConfig) -> list[tuple[str, str]]:
             uid_of(user)
         except KeyError as e:
             bad.append(("ring_owners", str(e.args[0])))
+    arena_dir = os.path.normpath(cfg.resolved_arena_dir())
+    shm = os.path.normpath(cfg.shm_dir)
+    if cfg.arena_bytes and (arena_dir == shm or arena_dir.startswith(shm + os.sep)):
+        bad.append(("arena_dir", f"{arena_dir} is inside shm_dir {shm}, which subscribers may not enter: "
+                                 "give the arena a directory of its own"))
     if cfg.curve_key and not cfg.curve_clients:
         bad.append(("curve_clients", "must name the directory of allowed client keys when curve_key is set"))
     if cfg.curve_clients and not cfg.curve_key:

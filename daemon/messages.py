@@ -25,6 +25,66 @@ def arena_advert(arena: "Arena | None") -> list | None:
     return [arena.path, arena.arena_id] if arena is not None else None
 
 
+# Through the arena, consecutive tokens events of one capture go out as one message (rows stacked):
+# what one pass of the daemon has for a subscriber, never waiting for more. Bounded so a header
+# stays small (descriptors are ~40 bytes each) and the client's stacked arrays stay well below
+# glibc's largest mmap threshold (32 MiB): above it every array would be fresh pages, faulted in
+# by the copy at a fraction of memcpy speed.
+RUN_EVENTS = 64
+RUN_DESCS = 1024
+RUN_BYTES = 8 << 20
+
+
+def _wire(ev: Tokens, arena: "Arena | None") -> list:
+    """[token ids as bytes, arena descriptors (False: not asked yet; None: not all in the arena),
+    signature] of an event: what every subscriber of it shares, made once."""
+    cached = ev.__dict__.get("_wire")
+    if cached is None:
+        cached = ev.__dict__["_wire"] = [ev.token_ids.astype("<i4", copy=False).tobytes(), False, None]
+    if arena is not None and cached[1] is False:
+        cached[1] = wf.describe_arena(ev.tensors, ev.dtypes, arena.locate)
+        if cached[1] is not None:  # what must match for rows to stack: names, dtypes, widths, prompt length
+            cached[2] = (ev.num_prompt_tokens, tuple((d[0], d[1], d[3]) for d in cached[1]))
+    return cached
+
+
+def encode_run(history: list[Event], index: int, entry: Entry, sub_id: int, from_position: int | None,
+               arena: "Arena | None") -> tuple[Frames | None, int]:
+    """The message for history[index] and how many events it covers: through the arena, the tokens
+    events right after it that continue it (next position, same tensors) ride along, their
+    descriptors in order, so one send, one receive and one header carry what one daemon pass read
+    (the client stacks each tensor's parts: wire_format, "Shared memory")."""
+    ev = history[index]
+    if arena is None or not isinstance(ev, Tokens) or (from_position is not None and ev.start < from_position):
+        return encode(ev, entry, sub_id, from_position, arena), 1
+    w = _wire(ev, arena)
+    if w[1] is None:
+        return encode(ev, entry, sub_id, from_position, arena), 1
+    sig = w[2]
+    ids, descs = [w[0]], list(w[1])
+    stop = ev.stop
+    nbytes = ev.nbytes
+    j = index + 1
+    end = min(len(history), index + RUN_EVENTS)
+    while j < end:
+        nxt = history[j]
+        if not isinstance(nxt, Tokens) or nxt.start != stop:
+            break
+        nw = _wire(nxt, arena)
+        if nw[1] is None or nw[2] != sig or len(descs) + len(nw[1]) > RUN_DESCS or nbytes + nxt.nbytes > RUN_BYTES:
+            break
+        nbytes += nxt.nbytes
+        ids.append(nw[0])
+        descs.extend(nw[1])
+        stop = nxt.stop
+        j += 1
+    return [wf.pack(
+        wf.TOKENS, sub_id, seq=entry.seq, request_id=ev.request_id, instance=ev.instance, start=ev.start,
+        count=stop - ev.start, token_ids=ids[0] if len(ids) == 1 else b"".join(ids),
+        num_prompt_tokens=ev.num_prompt_tokens, tensors=descs, arena=arena.arena_id,
+    )], j - index
+
+
 def encode(ev: Event, entry: Entry, sub_id: int, from_position: int | None = None,
            arena: "Arena | None" = None) -> Frames | None:
     """The message for one event of `entry`'s history; None when from_position leaves nothing of it.
@@ -34,13 +94,9 @@ def encode(ev: Event, entry: Entry, sub_id: int, from_position: int | None = Non
             if ev.stop <= from_position:
                 return None
             ev = ev.cut(from_position)
-        cached = ev.__dict__.get("_wire")  # what every subscriber of this event shares, made once
-        if cached is None:
-            cached = ev.__dict__["_wire"] = [ev.token_ids.astype("<i4", copy=False).tobytes(), False]
+        cached = _wire(ev, arena)
         ids = cached[0]
         if arena is not None:
-            if cached[1] is False:
-                cached[1] = wf.describe_arena(ev.tensors, ev.dtypes, arena.locate)
             adescs = cached[1]
             if adescs is not None:
                 return [wf.pack(

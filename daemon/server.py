@@ -28,7 +28,8 @@ Subscribers and watchers that offered to map it (same host: ipc://) get descript
 get the same arrays as frames. Regions go back when the daemon drops what references them. A
 descriptor handed to zmq is not yet copied by its subscriber (up to two socket queues of them
 may be on the way), so a capture whose last message went to an arena subscriber stays pinned for
-`arena_linger_s` more (retention may have dropped it meanwhile), or until that peer is gone, and
+`arena_linger_s` more (retention may have dropped it meanwhile), or until that peer is gone or
+says it read to the End (it cancels the finished subscription), and
 pins never hold more than half of arena_bytes in all (oldest let go first). A subscriber still slower
 than that finds the generation of a reused region moved: a Gap, never other bytes. A dead
 subscriber's pins go with its connection (the liveness probe notices within a second).
@@ -59,12 +60,13 @@ from vllm_tap.ring_schema import tensor_id
 from vllm_tap.daemon.arena import Arena
 from vllm_tap.safe_paths import UnsafePath
 
-from vllm_tap.daemon.access import RingAccess, narrow_socket, prepare_socket_dir, socket_gid, socket_path
+from vllm_tap.daemon.access import (RingAccess, narrow_socket, prepare_arena_dir, prepare_socket_dir, socket_gid,
+                                    socket_path)
 from vllm_tap.daemon.config import DaemonConfig
 from vllm_tap.daemon.config_load import is_loopback
 from vllm_tap.daemon.curve import CurveServer
 from vllm_tap.daemon.discovery import Candidate, RingDirectory
-from vllm_tap.daemon.messages import Frames, encode
+from vllm_tap.daemon.messages import Frames, encode_run
 from vllm_tap.daemon.peers import Peers
 from vllm_tap.daemon.reassembly import OVER_BUDGET, RING_BROKEN, Begin, Event, Reassembler, Tokens
 from vllm_tap.daemon.sequence import SequenceCounter
@@ -175,6 +177,7 @@ class _Sub:
     live_from: int = 0  # history length when attached: later messages are live (count for lag, latency)
     arena: Arena | None = None  # the subscriber maps it: descriptors instead of payload frames
     frames: Frames | None = None  # the encoded message at `index`, kept across a refused send
+    covers: int = 1  # how many history events `frames` carries (a run of tokens through the arena)
     final: Frames | None = None  # an error to send, after which the subscription ends
     final_deadline: float = 0.0
     pending: bool = False  # waiting for its name to appear
@@ -252,12 +255,12 @@ class Daemon:
         self._fd_events = select.poll()
         self._fd_due = False
         self._doorbell: Doorbell | None = None  # writers wake us through it; bound once shm_dir exists
-        self.arena: Arena | None = None  # delivered arrays; created once shm_dir exists (arena_bytes > 0)
+        self.arena: Arena | None = None  # delivered arrays; created at start-up (arena_bytes > 0)
         # Captures fully handed to an arena subscriber's socket, kept until it had time to copy them:
-        # routing id -> [(deadline, entry)], plus the bytes they hold (see the module docstring).
-        self._pins: dict[bytes, list[tuple[float, Entry]]] = {}
+        # routing id -> [(deadline, entry, subscription id)], plus the bytes they hold (see the
+        # module docstring). A client that read to the End says so (a cancel): its pins go then.
+        self._pins: dict[bytes, list[tuple[float, Entry, int | None]]] = {}
         self._pinned_bytes = 0
-        self._arena_tried = False
         self.nofile = 0
         self._refusal_logs = LOG_FIRST
         self._closed_ring_counts = (0, 0)  # rejected, corrupt of rings no longer read
@@ -287,6 +290,7 @@ class Daemon:
                 _prepare_endpoint(self.endpoint, ctx, gid)
                 curve = self._curve()
                 self._prepare_shm_dir()
+                self._open_arena(gid)
             except UnsafePath as e:
                 raise AccessError(str(e)) from None
             self._peers = Peers(ctx, sock, self.endpoint, max_connections=self.config.max_connections,
@@ -317,6 +321,8 @@ class Daemon:
                         self._shutdown()
             finally:
                 self._sock = None
+                if self.arena is not None:
+                    self.arena.close()  # also when start-up failed after making it
                 if self._peers is not None:
                     self._peers.close()
                     self._peers = None
@@ -441,13 +447,23 @@ class Daemon:
 
     # -- rings --
 
-    def _open_arena(self) -> None:
-        self._arena_tried = True
-        try:
-            self.arena = Arena.create(self.config.shm_dir, self.config.arena_bytes)
-        except OSError as e:
-            log.warning("no delivery arena in %s (%s): every subscriber gets payloads as frames", self.config.shm_dir, e)
+    def _open_arena(self, gid: int | None) -> None:
+        """The delivery arena in its own directory (daemon/access.py: readable by the subscribers'
+        group only). UnsafePath for a squatted or too open directory; one that cannot be made or
+        filled here (a read-only parent, no space) costs the arena only: subscribers get frames."""
+        if self.config.arena_bytes <= 0:
             return
+        directory = self.config.resolved_arena_dir()
+        try:
+            made = prepare_arena_dir(directory, gid)
+            self.arena = Arena.create(directory, self.config.arena_bytes, gid)
+        except UnsafePath:
+            raise
+        except OSError as e:
+            log.warning("no delivery arena in %s (%s): every subscriber gets payloads as frames", directory,
+                        e.strerror or e)
+            return
+        self.arena.remove_dir = made
         self.watch.arena = self.arena
         self.watch.pin = self._pin
         for r in self._reasm.values():
@@ -474,9 +490,6 @@ class Daemon:
     def _discover(self, now: float) -> None:
         if self._doorbell is None:
             self._doorbell = Doorbell.bind(self.config.shm_dir)
-        if self.arena is None and not self._arena_tried and self.config.arena_bytes > 0 and \
-                os.path.isdir(self.config.shm_dir):
-            self._open_arena()
         for c in self._dir.step(now, DISCOVERY_WALK, DISCOVERY_OPENS):
             self._open(c, now)
         if self._dir.changed:
@@ -828,10 +841,10 @@ class Daemon:
                     del self._by_key[sub.entry.key]
             sub.entry = None
 
-    def _pin(self, routing_id: bytes, entry: Entry) -> None:
+    def _pin(self, routing_id: bytes, entry: Entry, sub_id: int | None = None) -> None:
         if self.config.arena_linger_s <= 0:
             return
-        self._pins.setdefault(routing_id, []).append((time.monotonic() + self.config.arena_linger_s, entry))
+        self._pins.setdefault(routing_id, []).append((time.monotonic() + self.config.arena_linger_s, entry, sub_id))
         self._pinned_bytes += entry.nbytes
         cap = self.config.arena_bytes // 2
         if self._pinned_bytes > cap:
@@ -858,6 +871,21 @@ class Daemon:
             else:
                 self._pins.pop(rid, None)
         self._pinned_bytes -= freed
+
+    def _release(self, routing_id: bytes, sub_id: int) -> None:
+        """A client cancels a subscription that already ended: it has read (copied) everything up
+        to the End, so what was pinned for it may go now rather than at its deadline."""
+        pins = self._pins.get(routing_id)
+        if not pins:
+            return
+        kept = [p for p in pins if p[2] != sub_id]
+        if len(kept) == len(pins):
+            return
+        self._pinned_bytes -= sum(p[1].nbytes for p in pins if p[2] == sub_id)
+        if kept:
+            self._pins[routing_id] = kept
+        else:
+            del self._pins[routing_id]
 
     def _peer_gone(self, routing_id: bytes) -> None:
         if routing_id in self._pins:
@@ -899,7 +927,9 @@ class Daemon:
         """True if sent, False if the peer's queue is full now, None if the peer is gone."""
         assert self._sock is not None
         try:
-            self._sock.send_multipart(envelope + frames, flags=zmq.NOBLOCK, copy=False)
+            # Buffers go without a copy; a lone header (descriptors, begin, gap, end) is cheaper copied
+            # than tracked as a zero-copy frame.
+            self._sock.send_multipart(envelope + frames, flags=zmq.NOBLOCK, copy=len(frames) == 1)
         except zmq.Again:
             return False
         except zmq.ZMQError as e:
@@ -924,12 +954,13 @@ class Daemon:
                 self._active.discard(sub)
                 if e is not None and e.end is not None:
                     if sub.arena is not None:
-                        self._pin(sub.envelope[0], e)
+                        self._pin(sub.envelope[0], e, sub.req.id)
                     self._remove(sub)  # everything up to the End went out
                 return sent > 0
             ev = e.history[sub.index]
             if sub.frames is None:
-                sub.frames = encode(ev, e, sub.req.id, sub.req.from_position, sub.arena)
+                sub.frames, sub.covers = encode_run(e.history, sub.index, e, sub.req.id, sub.req.from_position,
+                                                    sub.arena)
                 if sub.frames is None:  # before from_position
                     sub.index += 1
                     continue
@@ -944,13 +975,17 @@ class Daemon:
                 if len(e.history) - max(sub.index, sub.live_from) > self.config.subscriber_queue:
                     self._too_slow(sub)
                 return sent > 0
+            n = sub.covers
             if sub.arena is not None and isinstance(ev, Tokens) and len(sub.frames) == 1:
-                self.counters.arena_messages += 1
-                self.counters.arena_bytes += ev.nbytes
-            if sub.index >= sub.live_from:
-                self._latency.observe(time.monotonic() - ev.at)
-            sub.index += 1
+                self.counters.arena_messages += n
+                self.counters.arena_bytes += sum(e.history[i].nbytes for i in range(sub.index, sub.index + n))
+            if sub.index + n > sub.live_from:
+                now = time.monotonic()
+                for i in range(max(sub.index, sub.live_from), sub.index + n):
+                    self._latency.observe(now - e.history[i].at)
+            sub.index += n
             sub.frames = None
+            sub.covers = 1
             sent += 1
         return True
 
@@ -994,6 +1029,7 @@ class Daemon:
                 if old is not None:
                     self._remove(old)
                 else:
+                    self._release(envelope[0], req.id)
                     self.watch.cancel(envelope, req.id)
             elif isinstance(req, wf.WatchRequest):
                 refused = self.watch.attach(envelope, req, now)

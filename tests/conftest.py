@@ -31,6 +31,7 @@ def shm_dir():
     d = tempfile.mkdtemp(prefix="vllm-tap-test-", dir="/dev/shm")
     yield d
     shutil.rmtree(d, ignore_errors=True)
+    shutil.rmtree(d + ".arena", ignore_errors=True)  # the daemon's arena directory (arena_dir), if a killed one left it
 
 
 @pytest.fixture

@@ -342,3 +342,74 @@ def test_rings_and_directories_looser_than_configured_are_refused_and_counted(wo
     log = a.log_text()
     assert log.count("instance directory /dev/shm") == 1 and "open" in log and "looser than" in log
     assert "rank-00000.ring" in log and "mode 0666 is looser than 0660" in log
+
+
+def test_a_reader_maps_the_arena_read_only_and_nobody_else_can_find_it(world):
+    """Issue 17 under the shipped access model: the arena lives in a directory of the daemon's own
+    (`<shm_dir>.arena`, 0750 in the readers' group), not in the ring directory readers cannot enter,
+    so a reader gets descriptors and copies the arrays out of shared memory; writers and outsiders
+    cannot open the file or even list its directory."""
+    a, b, base = world["a"], world["b"], world["base"]
+    s = Client(a.endpoint).status()
+    path = s["arena"]["path"]
+    d = os.path.dirname(path)
+    assert d == a.shm + ".arena"
+    st, dst = os.stat(path), os.stat(d)
+    assert stat.S_IMODE(st.st_mode) == 0o640 and grp.getgrgid(st.st_gid).gr_name == a.readers
+    assert stat.S_IMODE(dst.st_mode) == 0o750 and grp.getgrgid(dst.st_gid).gr_name == a.readers
+    assert pwd.getpwuid(st.st_uid).pw_name == a.tap and pwd.getpwuid(dst.st_uid).pw_name == a.tap
+    sc = Scenario(instance="ia", prefix="arena", n_requests=1, tp=2, dtype="bfloat16", vocab=4096, hidden=512)
+    a.write(sc)
+    payload = sc.end_position * (sc.vocab + sc.hidden * len(sc.layers)) * 2
+    before = Client(a.endpoint).status()
+    r = _fetch_as(a.reader, a, "arena-0", base)
+    assert r.returncode == 0, r.stderr
+    assert "frames" not in r.stderr, r.stderr  # the client says so when it falls back
+    assert_capture(sc, 0, _saved(base, a.reader, "arena-0"))
+    after = Client(a.endpoint).status()
+    # Its tokens came as descriptors naming every byte; what went through the socket was headers only.
+    assert after["arena_bytes"] - before["arena_bytes"] >= payload
+    assert after["delivered_bytes"] - before["delivered_bytes"] < payload // 4, (after["delivered_bytes"], payload)
+    assert _try_open(a.reader, path, "r") == "ok"
+    assert _try_open(a.reader, path, "w") == "PermissionError"  # read-only: no reader can change what others see
+    for user in (a.vllm, f"{P}-outsider", b.reader):
+        assert _try_open(user, path, "r") == "PermissionError", user
+        assert _try_open(user, d, "list") == "PermissionError", user
+
+
+def test_a_squatted_or_open_arena_directory_stops_start_up_with_one_line(world):
+    a = world["a"]
+    out = f"{P}-outsider"
+    mine = "import os, sys\nos.mkdir(sys.argv[1], 0o777); os.chmod(sys.argv[1], 0o777)\n"
+
+    def daemon(shm: str) -> subprocess.CompletedProcess:
+        return _as(a.tap, "-m", "vllm_tap.cli", "daemon", "--state-dir", a.state, "--ring-group", a.rings,
+                   "--socket-group", a.readers, "--shm-dir", shm, "--endpoint", a.endpoint + "-arena", timeout=30)
+
+    made = []
+    try:
+        # Someone else's, made first at the predictable path.
+        shm = f"{a.shm}-sq"
+        made += [shm, shm + ".arena"]
+        assert _as(out, "-c", mine, shm + ".arena").returncode == 0
+        r = daemon(shm)
+        assert r.returncode == 2 and f"{shm}.arena" in r.stderr and "owned by" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        # The daemon's own, but open to everyone.
+        shm = f"{a.shm}-open"
+        made += [shm, shm + ".arena"]
+        assert _as(a.tap, "-c", mine, shm + ".arena").returncode == 0
+        r = daemon(shm)
+        assert r.returncode == 2 and "looser than" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        # A link to a directory of its own is not followed either.
+        shm = f"{a.shm}-ln"
+        made += [shm, shm + ".arena", shm + ".real"]
+        assert _as(a.tap, "-c", "import os, sys\nos.mkdir(sys.argv[1] + '.real', 0o700); "
+                   "os.symlink(sys.argv[1] + '.real', sys.argv[1] + '.arena')\n", shm).returncode == 0
+        r = daemon(shm)
+        assert r.returncode == 2 and "symbolic link" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    finally:
+        for p in made:
+            if os.path.islink(p):
+                os.unlink(p)
+            shutil.rmtree(p, ignore_errors=True)

@@ -116,6 +116,93 @@ def test_tcp_endpoints_and_an_opted_out_client_get_frames_with_the_same_bytes(da
     assert d2.status()["arena_messages"] == 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_run_of_records_goes_as_one_message_and_stacks_exactly(daemon_factory, shm_dir, dtype):
+    """What one daemon pass has for a subscriber goes in one message (a name once per record); the
+    client stacks each tensor's parts. A late subscriber's replay is the longest run there is."""
+    sc = Scenario(tp=2, n_requests=1, dtype=dtype, gen_len=40, topk=3, vocab=96, hidden=24, layers=(0, 3))
+    d = daemon_factory(end_grace_s=0.5)
+    writer = subprocess.run([sys.executable, os.path.join(HERE, "synthetic_writer.py"), shm_dir, sc.to_json()],
+                            capture_output=True, text=True, timeout=60)
+    assert writer.returncode == 0, writer.stderr
+    _wait(lambda: d.status()["retained_requests"] == 1, 20, "the capture to end")
+    before = d.status()["arena_messages"]
+    sub = Client(d.endpoint).subscribe(sc.request_id(0), timeout=10)
+    chunks = [c for c in sub.chunks() if isinstance(c, Chunk)]
+    events = d.status()["arena_messages"] - before  # tokens events sent as descriptors
+    assert sum(len(c) for c in chunks) == sc.end_position and sub.end.complete
+    assert 0 < len(chunks) < events, (len(chunks), events)  # several records per message
+    cap = Client(d.endpoint).fetch(sc.request_id(0), timeout=10)
+    assert_capture(sc, 0, capture_arrays(cap))
+
+
+def test_a_subscriber_that_read_to_the_end_lets_its_pins_go_at_once(daemon_factory, shm_dir):
+    """What the daemon keeps for an arena subscriber after the End (arena_linger_s) is only for
+    descriptors not yet copied: a client that read to the End says so (it cancels the finished
+    subscription), and the daemon lets go then, not at the deadline or when the peer disconnects
+    (a 1 MB stream used to keep a whole capture pinned into the next one: fresh arena pages)."""
+    import zmq
+
+    from vllm_tap import wire_format as wf
+
+    sc = Scenario(tp=1, n_requests=1, gen_len=6)
+    d = daemon_factory(end_grace_s=0.5, arena_linger_s=600)
+    writer = subprocess.run([sys.executable, os.path.join(HERE, "synthetic_writer.py"), shm_dir, sc.to_json()],
+                            capture_output=True, text=True, timeout=60)
+    assert writer.returncode == 0, writer.stderr
+    _wait(lambda: d.status()["retained_requests"] == 1, 20, "the capture to end")
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)  # stays connected throughout: only the cancel can free the pin
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(d.endpoint)
+    try:
+        sock.send_multipart(wf.Subscribe(7, sc.request_id(0), arena=True).frames())
+        while True:
+            assert sock.poll(10000), "no message from the daemon"
+            h = wf.unpack_header(sock.recv_multipart()[0])
+            assert h["type"] != wf.ERROR, h
+            if h["type"] == wf.END:
+                break
+        _wait(lambda: d.status()["arena"]["pinned_captures"] == 1, 10, "the pin")
+        time.sleep(1.5)  # the liveness probe runs: the peer is there, the pin stays
+        assert d.status()["arena"]["pinned_captures"] == 1
+        sock.send_multipart(wf.Cancel(7).frames())
+        _wait(lambda: d.status()["arena"]["pinned_captures"] == 0, 5, "the pin to go")
+        assert d.status()["arena"]["pinned_bytes"] == 0
+        # The client library sends that cancel by itself after the End.
+        sub = Client(d.endpoint).subscribe(sc.request_id(0), timeout=10)
+        assert sum(len(c) for c in sub.chunks() if isinstance(c, Chunk)) == sc.end_position
+        _wait(lambda: d.status()["arena"]["pinned_captures"] == 0, 0.9, "the library's release")
+    finally:
+        sock.close(linger=0)
+
+
+def test_arena_parts_of_one_name_stack_or_are_refused(shm_dir):
+    a = Arena.create(shm_dir, 4 << 20)
+    x = a.alloc((2, 8), np.float32)
+    y = a.alloc((3, 8), np.float32)
+    z = a.alloc((1, 4), np.float32)
+    x[:] = np.arange(16).reshape(2, 8)
+    y[:] = -np.arange(24).reshape(3, 8)
+    v = ArenaView(a.path, a.arena_id)
+
+    def desc(arr, name="logits", dtype="float32"):
+        block, gen, offset = a.locate(arr)
+        return [name, dtype, arr.shape[0], arr.shape[1], block, gen, offset]
+
+    got = v.copy_out([desc(x), desc(y)])
+    assert got["logits"][0] == rf.DType.FLOAT32 and (got["logits"][1] == np.concatenate([x, y])).all()
+    with pytest.raises(ValueError, match="do not stack"):
+        v.copy_out([desc(x), desc(z)])  # another width
+    with pytest.raises(ValueError, match="do not stack"):
+        v.copy_out([desc(x), desc(y, dtype="int32")])
+    # One part's region reused meanwhile: the whole message is refused, not half of it.
+    d_y = desc(y)
+    del y
+    assert v.copy_out([desc(x), d_y]) is None
+    a.close()
+
+
 # -- never garbage --
 
 
@@ -280,6 +367,43 @@ def test_allocator_regions_never_overlap_and_everything_comes_back(shm_dir):
         a.close()
 
 
+def test_locate_gives_every_view_its_own_offset_or_none(shm_dir):
+    a = Arena.create(shm_dir, 4 << 20)
+    a.alloc((5, 100), np.float32)  # so the next region does not start at 0
+    x = a.alloc((4, 64), np.float32)
+    base = x.ctypes.data
+    for view in (x, x[1:], x[2:3], x.reshape(-1), x.reshape(2, 128)):
+        block, _gen, off = a.locate(view)
+        assert off == view.ctypes.data - base + block * af.BLOCK, view.shape
+    for view in (x.T, x[::-1], x[:, 1:3], x.reshape(-1)[::-1]):  # not C-contiguous: not describable
+        assert a.locate(view) is None
+    assert a.locate(np.zeros((4, 64), np.float32)) is None
+    a.close()
+
+
+def test_allocator_keeps_the_footprint_at_the_bottom(shm_dir):
+    """Fresh tmpfs pages cost more than the copy into them (reserve, zero, fault): regions come from
+    the lowest free address, so a steady load keeps reusing the same pages at the bottom of the
+    arena (before: the first region came from the top half of a default arena)."""
+    a = Arena.create(shm_dir, 2 << 30)  # the default: two top regions of 1 GiB
+    rng = np.random.default_rng(3)
+    live: list[np.ndarray] = []
+    high = 0
+    for i in range(600):
+        n = int(rng.choice([4096, 65536, 262144, 1 << 20])) // 4
+        x = a.alloc((1, n), np.float32)
+        live.append(x)
+        block, _gen, off = a.locate(x)
+        high = max(high, off + x.nbytes)
+        if len(live) > 16:
+            live.pop(int(rng.integers(0, len(live))))
+    # At most 17 regions of at most 1 MiB live at once: the footprint stays within a few times that.
+    assert high <= 64 << 20, high >> 20
+    assert a.snapshot()["committed_bytes"] <= 80 << 20
+    del live, x
+    a.close()
+
+
 def test_tensor_parallel_slices_are_read_straight_into_one_array(shm_dir):
     """The ring reader asks reassembly where each slice goes; the tensor delivered is that array."""
     a = Arena.create(shm_dir, 8 << 20)
@@ -386,7 +510,7 @@ def test_daemon_restart_with_subscribers_attached(daemon_factory, shm_dir):
     d.start()
     second = d.status()["arena"]["path"]
     assert second != first and not os.path.exists(first)
-    assert glob.glob(os.path.join(shm_dir, af.ARENA_PREFIX + "*")) == [second]
+    assert glob.glob(os.path.join(shm_dir + ".arena", af.ARENA_PREFIX + "*")) == [second]
     while True:
         msg = q.get(timeout=30)
         if msg[0] != "at":
@@ -425,7 +549,8 @@ def test_the_arena_file_is_private_to_the_daemon_and_its_group(daemon_factory, s
     pw = pwd.getpwnam(user)
     assert pw.pw_gid != st.st_gid
     # Only the file's mode stands between that user and the arena: the directories let it through.
-    os.chmod(shm_dir, 0o755)
+    assert os.path.dirname(path) == shm_dir + ".arena"  # arena_dir's default: beside the ring directory
+    os.chmod(os.path.dirname(path), 0o755)
     os.chmod(sock_dir, 0o755)
     os.chmod(d.endpoint[len("ipc://"):], 0o777)
     probe = _as_user(pw, _try_open, path)

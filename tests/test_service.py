@@ -503,6 +503,10 @@ def test_units_keep_the_rings_and_the_contract():
         assert f"-g {user}-rings" in settings["ExecStartPre"] and "test -e" in settings["ExecStartPre"]
         assert settings["StateDirectoryMode"] == "0700" and settings["RuntimeDirectoryMode"] == "0750"
         assert settings["ReadWritePaths"].startswith("/dev/shm/vllm-tap")
+        # The arena (issue 17): its own directory beside the rings, made for the readers' group, writable here.
+        shm = settings["ReadWritePaths"].split()[0]
+        assert settings["ReadWritePaths"].split() == [shm, f"{shm}.arena"]
+        assert f"-m 0750 -o {user} -g {user}-readers {shm}.arena" in settings["ExecStartPre"]
         assert int(settings["LimitNOFILE"]) >= 65536  # libzmq aborts when accept() meets EMFILE
         assert settings["StateDirectory"].startswith("vllm-tap")  # the sequence counter outlives restarts
 
@@ -524,3 +528,5 @@ def test_sysusers_and_tmpfiles_apply_to_a_scratch_root(tmp_path):
     assert rings.group(2).split(",") == ["vllm-tap"] and readers.group(2).split(",") == ["vllm-tap"]
     st = (tmp_path / "dev" / "shm" / "vllm-tap").stat()
     assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o2770, uid, int(rings.group(1)))
+    st = (tmp_path / "dev" / "shm" / "vllm-tap.arena").stat()
+    assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o750, uid, int(readers.group(1)))

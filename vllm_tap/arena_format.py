@@ -51,7 +51,7 @@ import struct
 
 ARENA_FORMAT_VERSION = 1
 ARENA_MAGIC = b"VTAPARNA"
-ARENA_PREFIX = ".arena-"  # <shm_dir>/.arena-<arena_id hex>: the dot keeps it out of the ring scan
+ARENA_PREFIX = ".arena-"  # <arena_dir>/.arena-<arena_id hex> (arena_dir: <shm_dir>.arena unless configured)
 HEADER_SIZE = 4096
 BLOCK = 4096  # allocation granularity and generation slot size (a page)
 PAGE = 4096

@@ -30,7 +30,10 @@ Shared memory (the "arena", vllm_tap.arena_format). A client that can map files 
 (it connects over ipc://) says `arena: true` in its subscribe or watch. If the daemon has an arena,
 its first reply (begin, or watching) carries `arena: [path, arena_id]`, and tokens messages whose
 arrays lie in the arena then carry descriptors [name, dtype, rows, cols, block, gen, offset]
-instead of buffers; others (an array the arena had no room for) carry buffers as before. A client
+instead of buffers; others (an array the arena had no room for) carry buffers as before. Such a
+message may carry a run of consecutive records (what one pass of the daemon read for this
+subscriber): a name then comes once per record, in position order, and the client stacks its parts
+row-wise into one array of `count` rows. A client
 that cannot map that path cancels and asks again, under a new id, without `arena`. A client whose
 copy finds a region's generation moved delivers those positions as a Gap (client.arena.OVERWRITTEN).
 
@@ -53,7 +56,8 @@ from vllm_tap import ring_format as rf
 
 # 2: watch / watching / lost / watermark; capture messages carry "seq".
 # 3: tokens may carry arena descriptors instead of buffers (a v2 client would read them as frames).
-WIRE_VERSION = 3
+# 4: arena tokens may carry a run of records, a name once per record (a v3 client would keep one part).
+WIRE_VERSION = 4
 
 # Header keys every message has.
 K_VERSION = "v"
