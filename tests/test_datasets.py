@@ -409,11 +409,13 @@ def test_bench_record_runs_and_reports(tmp_path) -> None:
     p = bench_record.RecordParams(dir=str(tmp_path), raw_mib=8, data_mib=8, hidden=256, vocab=2000, repeats=1,
                                   rows_per_capture=64)
     res = bench_record.run(p, lambda m: None)
-    assert set(res["summary"]) == {f"{c}/{tc}" for c in ("hidden", "logits") for tc in ("zstd", "lz4", "none")}
+    assert set(res["summary"]) == {f"{c}/{cfg}" for c in ("hidden", "logits") for cfg in p.configs}
+    assert {s["config"].split("/")[0] for s in res["summary"].values()} == {"parquet", "arrow"}
     for s in res["summary"].values():
         assert s["row_mb_s"] > 0 and s["raw_mb_s"] > 0
     e = res["e2e"]
-    assert e["recorder"]["captures"] + e["recorder"]["lost"] == e["captures"]
+    for mode in bench_record.E2E_MODES:
+        assert e[mode]["captures"] + e[mode]["lost"] == e["captures"], mode
     assert "rows in / raw" in bench_record.table(res)
 
 
