@@ -115,7 +115,7 @@ class ShardFile:
         self.file_format = file_format
         self.compression = compression
         self.tensor_compression = tensor_compression
-        self._q: queue.Queue = queue.Queue(maxsize=4)
+        self._q: queue.Queue = queue.Queue(maxsize=2)  # row groups waiting; per shard, and shards are encoded at once
         self._err: BaseException | None = None
         self._buf: list[pa.Table] = []
         self._buf_bytes = 0
