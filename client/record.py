@@ -1,12 +1,14 @@
 """`vllm-tap record DEST`: the watch stream to rolling Parquet / Arrow IPC shards, exactly once.
 
 The protocol lives in record_core (no I/O); the destination in dataset_store; this module drives
-them: it feeds the stream to the core, encodes rows into the staged shard on a writer thread (so
-encoding and compression overlap receiving and converting), publishes sealed shards, replaces the
-manifest, and reports progress.
+them: it feeds the stream to the core, encodes rows into the staged shards, each on a writer thread
+of its own (so encoding and compression overlap receiving and converting, and the shards of a group
+are encoded on as many cores: pyarrow encodes one file on one core), publishes sealed shards,
+replaces the manifest, and reports progress.
 
-Crash safety follows from the order of effects, for every shard:
-    rows staged (invisible) -> rows file published -> captures file published -> manifest replaced
+Crash safety follows from the order of effects, for every group of shards (record_core):
+    rows staged (invisible) -> for each shard: rows file published, captures file published
+    -> manifest replaced (listing the whole group)
 A crash before the manifest replacement leaves at most files no manifest lists; the next start
 deletes them and resumes the watch after the manifest's committed_seq, so every (seq, position) is
 in exactly one listed shard.
@@ -31,13 +33,14 @@ import pyarrow.parquet as pq
 
 from vllm_tap import dataset_format as df
 from vllm_tap.client.dataset_store import DatasetStore, StoreError, describe_error, failpoint
-from vllm_tap.client.record_core import AppendRows, RecorderCore, SealShard, WriteManifest
+from vllm_tap.client.record_core import MAX_LANES, AppendRows, RecorderCore, SealShard, WriteManifest
 
 log = logging.getLogger(__name__)
 
 ROW_GROUP_BYTES = 64 << 20  # rows are buffered into row groups / record batches of about this size
 COMPRESSIONS = ("zstd", "lz4", "none")
 TENSOR_COMPRESSION = "zstd"  # the default for float tensor columns in Parquet (--tensor-compression)
+PARALLEL_SHARDS = 2  # shards encoded at once (--parallel-shards), each on a thread (a core) of its own
 
 
 class RecorderError(RuntimeError):
@@ -112,7 +115,7 @@ class ShardFile:
         self.file_format = file_format
         self.compression = compression
         self.tensor_compression = tensor_compression
-        self._q: queue.Queue = queue.Queue(maxsize=4)
+        self._q: queue.Queue = queue.Queue(maxsize=2)  # row groups waiting; per shard, and shards are encoded at once
         self._err: BaseException | None = None
         self._buf: list[pa.Table] = []
         self._buf_bytes = 0
@@ -231,6 +234,7 @@ class RecordOptions:
     file_format: str = df.PARQUET
     compression: str = "zstd"
     tensor_compression: str = TENSOR_COMPRESSION  # Parquet float tensor columns; Arrow IPC uses `compression`
+    parallel_shards: int = PARALLEL_SHARDS
     shard_bytes: int = df.DEFAULT_SHARD_BYTES
     shard_age_s: float | None = None
     checkpoint_s: float = 10.0
@@ -261,8 +265,10 @@ class Recorder:
             self.store = DatasetStore(dest, opts.storage_options)
         except StoreError as e:
             raise RecorderError(str(e)) from None
+        if not 1 <= opts.parallel_shards <= MAX_LANES:
+            raise RecorderError(f"--parallel-shards {opts.parallel_shards}: use 1..{MAX_LANES}")
         self.core: RecorderCore | None = None
-        self._shard: ShardFile | None = None
+        self._shards: dict[int, ShardFile] = {}  # the open group's staged shards, by index
         self._lock_fd: int | None = None
         self.staging = ""
         self.committed_bytes = 0
@@ -290,7 +296,7 @@ class Recorder:
             self.core = RecorderCore(
                 w, manifest, file_format=self.opts.file_format, layout=self.opts.layout,
                 shard_bytes=self.opts.shard_bytes, shard_age_s=self.opts.shard_age_s,
-                checkpoint_s=self.opts.checkpoint_s, metadata=self.opts.metadata)
+                checkpoint_s=self.opts.checkpoint_s, metadata=self.opts.metadata, lanes=self.opts.parallel_shards)
         except (StoreError, df.ManifestError, ValueError) as e:
             self._unlock()
             raise RecorderError(str(e)) from None
@@ -357,9 +363,9 @@ class Recorder:
 
     def abort(self) -> None:
         """Stop without committing the open shard (it is re-recorded after the next start)."""
-        if self._shard is not None:
-            self._shard.abandon()
-            self._shard = None
+        for shard in self._shards.values():
+            shard.abandon()
+        self._shards = {}
         self._unlock()
 
     # -- carrying out the core's actions --
@@ -369,11 +375,12 @@ class Recorder:
         for a in actions:
             try:
                 if isinstance(a, AppendRows):
-                    if self._shard is None:
-                        self._shard = ShardFile(os.path.join(self.staging, f"rows-{a.index:06d}"),
-                                                self.core.schema, self.opts.file_format, self.opts.compression,
-                                                self.opts.tensor_compression)
-                    self._shard.append(a.table, a.nbytes)
+                    shard = self._shards.get(a.index)
+                    if shard is None:
+                        shard = self._shards[a.index] = ShardFile(
+                            os.path.join(self.staging, f"rows-{a.index:06d}"), self.core.schema, self.opts.file_format,
+                            self.opts.compression, self.opts.tensor_compression)
+                    shard.append(a.table, a.nbytes)
                     failpoint("mid-shard")
                 elif isinstance(a, SealShard):
                     self._commit_shard(a)
@@ -389,7 +396,7 @@ class Recorder:
     def _commit_shard(self, seal: SealShard) -> None:
         assert self.core is not None
         w = self.opts.writer
-        shard, self._shard = self._shard, None
+        shard = self._shards.pop(seal.index, None)
         staged_rows = os.path.join(self.staging, f"rows-{seal.index:06d}")
         if shard is None:  # a shard of captures without rows: an empty rows file keeps the pair
             shard = ShardFile(staged_rows, self.core.schema or df.row_schema(self.core.manifest.layout),
@@ -405,7 +412,8 @@ class Recorder:
         failpoint("after-upload")
         m = self.core.shard_committed(seal, rows_bytes=rows_bytes, rows_sha256=rows_sha, captures_bytes=caps_bytes,
                                       captures_sha256=caps_sha)
-        self._write_manifest(m)
+        if m is not None:  # the group's last shard: one manifest lists them all
+            self._write_manifest(m)
         self.committed_bytes += rows_bytes + caps_bytes
         log.debug("committed shard %s: %d rows, %d bytes, seq %d..%d", seal.name, seal.rows, rows_bytes,
                   seal.seq_first, seal.seq_last)

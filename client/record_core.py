@@ -17,9 +17,15 @@ Rules (docs/dataset-format.md has the format):
   after a restart its rows below `position` are skipped, so every (seq, position) is written once.
 - Lost ranges, skipped captures and gaps enter the manifest only once `committed_seq` covers them,
   so a restart (which re-reads everything after committed_seq) cannot report them twice.
-- A shard is sealed before a capture would push it past `shard_bytes` (uncompressed Arrow bytes, an
-  upper bound of the file's size up to a small overhead), when it is older than `shard_age_s`, and
-  at the end.
+- Up to `lanes` shards are open at once (a group), so that the I/O side can encode them on as many
+  cores: each capture goes whole to the open shard with the fewest bytes, so every shard stays in
+  (seq, position) order while the seq ranges of a group's shards interleave. A group is sealed and
+  committed as one: all its shards are published before the one manifest that lists them, so
+  `committed_seq` never covers a capture of a shard that a crash could leave unlisted.
+- A group is sealed before a capture would push its emptiest shard past `shard_bytes` (uncompressed
+  Arrow bytes, an upper bound of the file's size up to a small overhead), when it is older than
+  `shard_age_s`, and at the end. A capture larger than what is left starts a fresh group and fills
+  its shards in index order, continuing into the next group: its parts are in consecutive shards.
 - The dataset's tensor layout (layers, logits form, value type) is fixed by the first capture with
   rows, or given up front; a capture that lacks one of its tensors, or carries float32 values for a
   float16 dataset, is skipped and listed with the reason. Tensors beyond the layout are counted.
@@ -42,6 +48,8 @@ from vllm_tap.positions import PositionRanges
 
 log = logging.getLogger(__name__)
 
+MAX_LANES = 8  # shards open at once, at most
+
 
 @dataclass(frozen=True)
 class AppendRows:
@@ -59,6 +67,7 @@ class SealShard:
     seq_first: int
     seq_last: int
     gaps: list[df.GapEntry]
+    group: int = 0  # the shards of one group are committed by one manifest
 
 
 @dataclass(frozen=True)
@@ -105,11 +114,22 @@ def _fsl(values: np.ndarray, width: int, value_type: pa.DataType) -> pa.Array:
     return pa.FixedSizeListArray.from_arrays(pa.array(flat, type=value_type), width)
 
 
+_LSE_ROWS = 16  # rows per block: a block's exp buffer (16 x V floats) stays in cache
+
+
 def _logsumexp(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float32, copy=False)
-    m = x.max(axis=1, keepdims=True)
-    s = np.exp(x - m).sum(axis=1, dtype=np.float64)
-    return (np.log(s) + m[:, 0]).astype(np.float32)
+    """Per row, exp summed in float64. Block by block in one reused buffer: 2.5x faster than whole
+    arrays for V = 32000 (the recorder's main thread spent ~40 % of the writers' CPU time here)."""
+    out = np.empty(len(x), np.float32)
+    buf = np.empty((min(_LSE_ROWS, len(x)), x.shape[1]), np.float32)
+    for i in range(0, len(x), _LSE_ROWS):
+        c = x[i:i + _LSE_ROWS]
+        b = buf[:len(c)]
+        m = c.max(axis=1, keepdims=True).astype(np.float32)
+        np.subtract(c, m, out=b, casting="unsafe")
+        np.exp(b, out=b)
+        out[i:i + len(c)] = np.log(b.sum(axis=1, dtype=np.float64)) + m[:, 0]
+    return out
 
 
 def _names(begin: CaptureBegin | None) -> tuple[str, str, str]:
@@ -208,6 +228,7 @@ def _bytes_per_row(layout: df.TensorLayout) -> int:
 class _OpenShard:
     index: int
     opened: float
+    group: int = 0
     bytes: int = 0
     rows: int = 0
     seq_first: int = -1
@@ -221,9 +242,12 @@ class RecorderCore:
     def __init__(self, writer: str, manifest: df.Manifest | None, *, file_format: str = df.PARQUET,
                  layout: df.TensorLayout | None = None, shard_bytes: int = df.DEFAULT_SHARD_BYTES,
                  shard_age_s: float | None = None, checkpoint_s: float = 10.0, metadata: dict[str, Any] | None = None,
-                 host: str | None = None, clock: Callable[[], float] = time.time) -> None:
+                 host: str | None = None, clock: Callable[[], float] = time.time, lanes: int = 1) -> None:
         if not 0 < shard_bytes <= df.MAX_SHARD_BYTES:
             raise ValueError(f"shard size {shard_bytes}: must be in 1..{df.MAX_SHARD_BYTES} bytes")
+        if not 1 <= lanes <= MAX_LANES:
+            raise ValueError(f"{lanes} shards at once: must be in 1..{MAX_LANES}")
+        self.lanes = lanes
         self.writer = df.check_writer_id(writer)
         self.clock = clock
         self.shard_bytes = shard_bytes
@@ -251,8 +275,10 @@ class RecorderCore:
         self.schema = df.row_schema(manifest.layout) if manifest.layout != unset else None
         self.handled = manifest.committed_seq  # every seq <= handled has been seen or accounted for
         self.resume = (manifest.resume_seq, manifest.resume_position) if manifest.resume_seq >= 0 else None
-        self.open: _OpenShard | None = None
+        self.open: list[_OpenShard] = []  # the open group's shards, in index order
         self.inflight: list[_OpenShard] = []  # sealed, not yet reported committed by the I/O side
+        self.group = 0
+        self._group_entries: list[df.ShardEntry] = []  # committed shards of a group not yet all published
         self.pending_lost: list[df.LostEntry] = []
         self.pending_skipped: list[df.GapEntry] = []
         self.last_manifest = now
@@ -267,10 +293,10 @@ class RecorderCore:
         return None if self.manifest.committed_seq < 0 else self.manifest.committed_seq
 
     def _first_uncommitted(self) -> _OpenShard | None:
-        for sh in (*self.inflight, self.open):
-            if sh is not None and sh.seq_first >= 0:
-                return sh
-        return None
+        """The uncommitted shard that starts earliest (a capture cut within a group starts in the
+        lower index: its part there begins before its part in the next shard)."""
+        shards = [sh for sh in (*self.inflight, *self.open) if sh.seq_first >= 0]
+        return min(shards, key=lambda sh: (sh.seq_first, sh.index)) if shards else None
 
     @property
     def committed_seq(self) -> int:
@@ -309,13 +335,17 @@ class RecorderCore:
                 return acts
         per_row = _bytes_per_row(self.manifest.layout)
         first_part = True
+        cont = False  # the capture continues into a fresh shard of the open group
         while True:
-            sh = self._shard()
-            room = max(0, (self.shard_bytes - sh.bytes) // per_row)
+            sh = self._new_shard() if cont else self._emptiest()
+            room = max(0, (self.shard_bytes - (sh.bytes if sh is not None else 0)) // per_row)
             left = n - row
-            if left > room and sh.rows > 0:
-                acts += self._seal()  # start this capture (or its next part) in a fresh shard
+            if not cont and left > room and any(s.rows for s in self.open):
+                acts += self._seal()  # start this capture (or its next part) in a fresh group
                 continue
+            if sh is None:
+                sh = self._new_shard()
+            cont = False
             take = min(left, max(room, 1))
             if sh.seq_first < 0:
                 sh.seq_first = seq
@@ -343,8 +373,11 @@ class RecorderCore:
                     sh.gaps.append(df.GapEntry(seq, cap.request_id, a, b, reason))
                     self.stats.missing_positions += b - a
                 break
-            acts += self._seal()
-        if self.open is not None and self.open.bytes >= self.shard_bytes:
+            if len(self.open) < self.lanes:
+                cont = True
+            else:
+                acts += self._seal()
+        if len(self.open) == self.lanes and min(s.bytes for s in self.open) >= self.shard_bytes:
             acts += self._seal()
         return acts
 
@@ -365,8 +398,7 @@ class RecorderCore:
 
     def tick(self) -> list[Action]:
         now = self.clock()
-        sh = self.open
-        if sh is not None and self.shard_age_s is not None and sh.seq_first >= 0 and now - sh.opened >= self.shard_age_s:
+        if self.open and self.shard_age_s is not None and now - self.open[0].opened >= self.shard_age_s:
             return self._seal()
         # A new dataset commits its starting point at once: a restart then resumes from it
         # instead of from "now".
@@ -377,11 +409,7 @@ class RecorderCore:
 
     def finish(self) -> list[Action]:
         """At a clean stop: seal the open shard, and write what progress no shard carries."""
-        acts: list[Action] = []
-        if self.open is not None and self.open.seq_first >= 0:
-            acts += self._seal()
-        self.open = None
-        return acts
+        return self._seal() if self.open else []
 
     def finish_manifest(self) -> list[Action]:
         """After the sealed shards are committed: a last manifest if progress is still unwritten."""
@@ -390,15 +418,20 @@ class RecorderCore:
     # -- the I/O side reports back --
 
     def shard_committed(self, seal: SealShard, *, rows_bytes: int, rows_sha256: str, captures_bytes: int,
-                        captures_sha256: str) -> df.Manifest:
-        """Both files of `seal` are visible under their final names: the manifest to write next."""
+                        captures_sha256: str) -> df.Manifest | None:
+        """Both files of `seal` are visible under their final names: the manifest to write next, or
+        None while other shards of its group are still to be published (one manifest per group)."""
         sh = self.inflight.pop(0)
         assert sh.index == seal.index, "shards are committed in the order they were sealed"
         entry = df.ShardEntry(seal.name, seal.rows, rows_bytes, rows_sha256, seal.captures.num_rows, captures_bytes,
                               captures_sha256, seal.seq_first, seal.seq_last, self.clock(), seal.gaps)
-        self.manifest.shards.append(entry)
         self.manifest.next_index = max(self.manifest.next_index, seal.index + 1)
         self.stats.shards += 1
+        self._group_entries.append(entry)
+        if self.inflight and self.inflight[0].group == sh.group:
+            return None
+        self.manifest.shards += self._group_entries
+        self._group_entries = []
         return self._next_manifest()
 
     def manifest_written(self, m: df.Manifest) -> None:
@@ -406,12 +439,19 @@ class RecorderCore:
 
     # -- internals --
 
-    def _shard(self) -> _OpenShard:
-        if self.open is None:
-            used = [s.index for s in self.inflight]
-            index = max([self.manifest.next_index - 1, *used]) + 1
-            self.open = _OpenShard(index, self.clock())
-        return self.open
+    def _emptiest(self) -> _OpenShard | None:
+        """The open shard with the fewest bytes, or None where a fresh one should be opened (the
+        group has room for another and every open one has rows)."""
+        if len(self.open) < self.lanes and all(s.bytes for s in self.open):
+            return None
+        return min(self.open, key=lambda s: (s.bytes, s.index))
+
+    def _new_shard(self) -> _OpenShard:
+        used = [s.index for s in (*self.inflight, *self.open)]
+        index = max([self.manifest.next_index - 1, *used]) + 1
+        sh = _OpenShard(index, self.open[0].opened if self.open else self.clock(), self.group)
+        self.open.append(sh)
+        return sh
 
     def _progress_unwritten(self) -> bool:
         c = self.committed_seq
@@ -426,13 +466,16 @@ class RecorderCore:
         log.info("dataset tensors: %s", self.manifest.layout.describe())
 
     def _seal(self) -> list[Action]:
-        sh = self.open
-        assert sh is not None
-        self.open = None
-        self.inflight.append(sh)
-        name = df.shard_name(self.writer, sh.index, self.manifest.file_format)
-        captures = pa.Table.from_pylist(sh.capture_rows, schema=df.capture_schema())
-        return [SealShard(name, sh.index, captures, sh.rows, sh.seq_first, sh.seq_last, sh.gaps)]
+        """Seal the open group: one SealShard per shard, in index order."""
+        acts: list[Action] = []
+        for sh in self.open:
+            self.inflight.append(sh)
+            name = df.shard_name(self.writer, sh.index, self.manifest.file_format)
+            captures = pa.Table.from_pylist(sh.capture_rows, schema=df.capture_schema())
+            acts.append(SealShard(name, sh.index, captures, sh.rows, sh.seq_first, sh.seq_last, sh.gaps, sh.group))
+        self.open = []
+        self.group += 1
+        return acts
 
     def _next_manifest(self) -> df.Manifest:
         m = self.manifest

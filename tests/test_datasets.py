@@ -109,15 +109,15 @@ class _MemStore:
         self.open: dict[int, list[pa.Table]] = {}
 
 
-def _run_core(store: _MemStore, seqs: list[int], crash_after: int | None) -> bool:
-    """Feed seqs > committed into a fresh core, carrying out actions on `store`; stop dead after
-    `crash_after` effects. True when it ran to the end."""
+def _run_core(store: _MemStore, seqs: list[int], crash_after: int | None, lanes: int = 1) -> bool:
+    """Feed seqs > committed into a fresh core (`lanes` shards open at once), carrying out actions on
+    `store`; stop dead after `crash_after` effects. True when it ran to the end."""
     m = df.decode_manifest(store.manifest) if store.manifest else None
     # A restart removes files no manifest lists.
     listed = {s.name for s in m.shards} if m else set()
     store.rows = {k: v for k, v in store.rows.items() if k in listed}
     store.open = {}
-    core = RecorderCore("w1", m, shard_bytes=20_000)
+    core = RecorderCore("w1", m, shard_bytes=20_000, lanes=lanes)
     effects = 0
 
     def do(actions) -> bool:
@@ -133,8 +133,9 @@ def _run_core(store: _MemStore, seqs: list[int], crash_after: int | None) -> boo
                 if crash_after is not None and effects >= crash_after:
                     return False  # files visible, manifest not replaced
                 mm = core.shard_committed(a, rows_bytes=0, rows_sha256="", captures_bytes=0, captures_sha256="")
-                store.manifest = df.encode_manifest(mm)
-                core.manifest_written(mm)
+                if mm is not None:  # None: other shards of the group are still to be published
+                    store.manifest = df.encode_manifest(mm)
+                    core.manifest_written(mm)
             elif isinstance(a, WriteManifest):
                 store.manifest = df.encode_manifest(a.manifest)
                 core.manifest_written(a.manifest)
@@ -154,14 +155,15 @@ def _run_core(store: _MemStore, seqs: list[int], crash_after: int | None) -> boo
     return do(core.finish()) and do(core.finish_manifest())
 
 
-def test_core_every_row_exactly_once_whatever_the_crash_point() -> None:
+@pytest.mark.parametrize("lanes", [1, 2, 3])
+def test_core_every_row_exactly_once_whatever_the_crash_point(lanes) -> None:
     seqs = list(range(0, 25))
     total = None
-    for crash_after in range(0, 80, 3):
+    for crash_after in range(0, 80 + 20 * lanes, 3 if lanes == 1 else 1):
         store = _MemStore()
         crashes = 0
         k = crash_after
-        while not _run_core(store, seqs, k):
+        while not _run_core(store, seqs, k, lanes):
             crashes += 1
             k = k + 5  # the next run dies a little later, until one gets through
         m = df.decode_manifest(store.manifest)
@@ -173,21 +175,26 @@ def test_core_every_row_exactly_once_whatever_the_crash_point() -> None:
     assert total and total > 100
 
 
-def test_core_cuts_a_large_capture_and_resumes_inside_it() -> None:
-    core = RecorderCore("w1", None, shard_bytes=20_000)
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_core_cuts_a_large_capture_and_resumes_inside_it(lanes) -> None:
+    core = RecorderCore("w1", None, shard_bytes=6_000, lanes=lanes)
     b, c = _cap(11)
     acts = core.add_capture(11, b, c)
     seals = [a for a in acts if isinstance(a, SealShard)]
-    assert len(seals) >= 1 and core.open is not None and core.open.rows > 0, "a capture larger than a shard spans several"
-    first = seals[0]
-    m = core.shard_committed(first, rows_bytes=0, rows_sha256="", captures_bytes=0, captures_sha256="")
-    assert m.committed_seq == 10 and m.resume_seq == 11
-    assert m.resume_position == int(c.positions[first.rows])
+    assert len(seals) >= lanes and core.open and core.open[0].rows > 0, "a capture larger than a shard spans several"
+    group = [a for a in seals if a.group == seals[0].group]
+    assert len(group) == lanes and [a.index for a in group] == list(range(lanes))  # parts in consecutive shards
+    for a in group[:-1]:
+        assert core.shard_committed(a, rows_bytes=0, rows_sha256="", captures_bytes=0, captures_sha256="") is None
+    m = core.shard_committed(group[-1], rows_bytes=0, rows_sha256="", captures_bytes=0, captures_sha256="")
+    done = sum(a.rows for a in group)
+    assert m.committed_seq == 10 and m.resume_seq == 11 and len(m.shards) == lanes
+    assert m.resume_position == int(c.positions[done])
     # after a restart from this manifest, only the rows from resume_position on are written again
-    core2 = RecorderCore("w1", df.decode_manifest(df.encode_manifest(m)), shard_bytes=1 << 20)
+    core2 = RecorderCore("w1", df.decode_manifest(df.encode_manifest(m)), shard_bytes=1 << 20, lanes=lanes)
     acts2 = core2.add_capture(11, b, c)
     rows = pa.concat_tables([a.table for a in acts2 if isinstance(a, AppendRows)])
-    assert rows.column("position").to_pylist() == [int(p) for p in c.positions[first.rows:]]
+    assert rows.column("position").to_pylist() == [int(p) for p in c.positions[done:]]
 
 
 def test_core_skips_a_capture_with_another_spec_and_says_why() -> None:
@@ -402,11 +409,13 @@ def test_bench_record_runs_and_reports(tmp_path) -> None:
     p = bench_record.RecordParams(dir=str(tmp_path), raw_mib=8, data_mib=8, hidden=256, vocab=2000, repeats=1,
                                   rows_per_capture=64)
     res = bench_record.run(p, lambda m: None)
-    assert set(res["summary"]) == {f"{c}/{tc}" for c in ("hidden", "logits") for tc in ("zstd", "lz4", "none")}
+    assert set(res["summary"]) == {f"{c}/{cfg}" for c in ("hidden", "logits") for cfg in p.configs}
+    assert {s["config"].split("/")[0] for s in res["summary"].values()} == {"parquet", "arrow"}
     for s in res["summary"].values():
         assert s["row_mb_s"] > 0 and s["raw_mb_s"] > 0
     e = res["e2e"]
-    assert e["recorder"]["captures"] + e["recorder"]["lost"] == e["captures"]
+    for mode in bench_record.E2E_MODES:
+        assert e[mode]["captures"] + e[mode]["lost"] == e["captures"], mode
     assert "rows in / raw" in bench_record.table(res)
 
 

@@ -221,6 +221,49 @@ def test_sigkill_then_restart_every_row_once(point, daemon_factory, shm_dir, tmp
     assert "removing" in open(log).read() or point.startswith(("mid-shard", "before-upload", "after-manifest", "mid-manifest"))
 
 
+@pytest.mark.parametrize("point", ["mid-shard:6", "after-upload:1", "after-rows-upload:2"])
+def test_sigkill_with_two_shards_in_flight_then_every_row_once(point, daemon_factory, shm_dir, tmp_path) -> None:
+    """--parallel-shards 2: two shards are encoded at once and committed by one manifest. Killed while
+    both are staged (mid-shard), after the first is published and before the second is, or with both
+    rows files published but not the second captures file (rows files no manifest lists are visible),
+    a restart still writes every (request, position) once."""
+    d = daemon_factory()
+    dest = str(tmp_path / "ds")
+    log = str(tmp_path / "rec.log")
+    staging = os.path.join(dest, "writers", "hostA", ".staging")
+    # 20 KB shards hold 4 captures of this scenario: the first group (2 shards) seals at the 9th
+    rec = start_recorder(dest, d.endpoint, "--shard-size", "20KB", "--parallel-shards", "2", "--shard-age", "1h",
+                         failpoint=point, log_path=log)
+    wait_for(lambda: manifest(dest) is not None or rec.poll() is not None, what="the first manifest")
+    sc = scenario("a", n=10)
+    write(shm_dir, sc)
+    assert rec.wait(60) == -signal.SIGKILL, open(log).read()
+    before = manifest(dest)
+    assert before is not None and before.shards == []
+    staged = sorted(n for n in os.listdir(staging) if n.startswith("rows-"))
+    rows_dir = os.path.join(dest, "writers", "hostA", "rows")
+    published = sorted(os.listdir(rows_dir)) if os.path.isdir(rows_dir) else []
+    if point.startswith("mid-shard"):
+        assert staged == ["rows-000000", "rows-000001"] and published == [], (staged, published)
+    elif point.startswith("after-upload"):  # the first shard of the group is visible but unlisted
+        assert staged == ["rows-000001"] and published == ["hostA-000000.parquet"], (staged, published)
+    else:  # both rows files visible, unlisted
+        assert staged == [] and published == ["hostA-000000.parquet", "hostA-000001.parquet"], (staged, published)
+    rec = start_recorder(dest, d.endpoint, "--shard-size", "20KB", "--parallel-shards", "2", log_path=log)
+    sc2 = scenario("b", n=4, seed=1)
+    wait_for(lambda: committed(dest, d, 10), what="the restarted recorder to commit")
+    write(shm_dir, sc2)
+    wait_for(lambda: committed(dest, d, 14), what="the restarted recorder to commit")
+    assert stop(rec) == 0, open(log).read()
+    after = manifest(dest)
+    assert len(after.shards) >= 2
+    seqs = [(s.seq_first, s.seq_last) for s in after.shards]
+    assert any(a[1] > b[0] for a, b in zip(seqs, seqs[1:])), f"no two shards were filled at once: {seqs}"
+    check_dataset(dest, [sc, sc2])
+    listed_files_only(dest)
+    assert point.startswith("mid-shard") or "removing rows/hostA-000000.parquet" in open(log).read()
+
+
 def test_sigkill_at_random_times(daemon_factory, shm_dir, tmp_path) -> None:
     d = daemon_factory()
     dest = str(tmp_path / "ds")
@@ -341,8 +384,8 @@ def test_s3_two_writers_and_a_kill_mid_upload(daemon_factory, shm_dir, s3_server
     log = str(tmp_path / "rec.log")
     # hostA's shards are ~20 MB: uploaded in 8 MiB parts; it dies after the first part
     # it seals its one shard (~24 MB, uncompressed: a multipart upload) when it has its 10 captures,
-    # uploads it, and dies after the first part
-    a = start_recorder(dest, d.endpoint, *args, "--instance", "hostA", "--shard-size", "40MB", "--shard-age", "1h", "--compression", "none", "--tensor-compression", "none",
+    # uploads it, and dies after the first part (one shard at once: two would be ~12 MB each)
+    a = start_recorder(dest, d.endpoint, *args, "--instance", "hostA", "--shard-size", "40MB", "--shard-age", "1h", "--compression", "none", "--tensor-compression", "none", "--parallel-shards", "1",
                        "--max-captures", "10", writer="hostA", failpoint="mid-upload:1", log_path=log)
     b = start_recorder(dest, d.endpoint, *args, "--instance", "hostB", "--shard-size", "100KB", writer="hostB",
                        log_path=log)

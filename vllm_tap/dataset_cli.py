@@ -155,6 +155,9 @@ def _vllm_version() -> str | None:
               "costs the least CPU; see docs/benchmarks.md.")
 @click.option("--shard-size", type=SizeType(), default=str(df.DEFAULT_SHARD_BYTES), show_default="1GiB",
               help="Roll to a new shard at this much row data (at most 2GB).")
+@click.option("--parallel-shards", type=click.IntRange(1, 8), default=2, show_default=True,
+              help="Shards written at once, each encoded on a core of its own (Parquet encodes one file on one "
+              "core); they are committed together, so a crash re-records up to this many shards.")
 @click.option("--shard-age", type=DurationType(), default=None, help="Also roll a shard once it is this old (e.g. 10m).")
 @click.option("--staging", default=None, metavar="DIR", help="Local directory for shards being written "
               "(default: inside DEST for a local DEST, else ~/.cache/vllm-tap/record).")
@@ -170,7 +173,8 @@ def _vllm_version() -> str | None:
 @click.option("--endpoint", envvar="VLLM_TAP_ENDPOINT", default=None, metavar="URL", help="The daemon's endpoint.")
 @key_options
 @click.option("--quiet", is_flag=True, help="No progress line; log lines only.")
-def record(dest: str, writer: str | None, file_format: str, compression: str, tensor_compression: str, shard_size: int, shard_age: float | None,
+def record(dest: str, writer: str | None, file_format: str, compression: str, tensor_compression: str, shard_size: int,
+           parallel_shards: int, shard_age: float | None,
            staging: str | None, max_bytes: int | None, max_captures: int | None, duration: float | None,
            instance: str | None, source: str | None, tap_key_prefix: str | None, model: str | None,
            storage_option: tuple[str, ...], endpoint: str | None, quiet: bool) -> None:
@@ -189,7 +193,7 @@ def record(dest: str, writer: str | None, file_format: str, compression: str, te
     filters = {k: v for k, v in (("instance", instance), ("source", source), ("tap_key_prefix", tap_key_prefix),
                                  ("model", model)) if v is not None}
     opts = RecordOptions(writer=writer or df.default_writer_id(), file_format=file_format, compression=compression,
-                         tensor_compression=tensor_compression,
+                         tensor_compression=tensor_compression, parallel_shards=parallel_shards,
                          shard_bytes=shard_size, shard_age_s=shard_age, staging=staging,
                          storage_options=_storage_options(storage_option),
                          metadata={"vllm_version": _vllm_version(), "filters": filters, "host": df.default_writer_id(),

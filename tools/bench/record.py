@@ -2,17 +2,22 @@
 bandwidth of the same disk, measured in the same run.
 
 1. Raw disk: `raw_mib` MiB written sequentially in 8 MiB blocks to a file in DIR, fsynced.
-2. Recorder: a Recorder (the real one: core, writer thread, Parquet, sha256, fsync, rename,
-   manifest) on DIR, fed in-process with prepared captures (no daemon, so this is the recorder's own
-   ceiling), for a hidden-state-only and a full-logit capture shape and for each codec of the float
-   tensor columns (`tensor_compressions`; key columns zstd); the time includes the final commit.
-   Values are bf16 widened to float32 (what a bf16 model's capture holds), random otherwise.
-   Every repeat measures the raw disk first, then every (case, codec) in an order rotated per
-   repeat, so that the machine's load falls on all of them alike.
+2. Recorder: a Recorder (the real one: core, writer threads, Parquet or Arrow IPC, sha256, fsync,
+   rename, manifest) on DIR, fed in-process with prepared captures (no daemon, so this is the
+   recorder's own ceiling), for a hidden-state-only and a full-logit capture shape and for each
+   configuration in `configs`: "format/codec/N" = file format, codec of the float tensor columns
+   (Parquet; key columns zstd) or of every buffer (Arrow IPC), and shards encoded at once
+   (--parallel-shards); the time includes the final commit. Values are bf16 widened to float32 (what
+   a bf16 model's capture holds), random otherwise. Every repeat runs every (case, configuration) in
+   an order rotated per repeat, so that the machine's load falls on all of them alike, each right
+   after a raw-disk measurement: on a shared (virtual) disk the raw rate swings by up to 2x from one
+   minute to the next (200-580 MB/s in one run), so the disk's rate is the median of all those
+   measurements of the run, one per recorder run.
 Reported: row MB/s (uncompressed tensor bytes taken in and committed), disk MB/s (file bytes out),
-rows/s, and row MB/s / raw MB/s against the 70 % target (the recorder's sustained rate as a share
-of what the disk takes raw; compression makes the bytes on disk fewer than the rows taken in);
-medians over repeats, with the share also as min-max.
+rows/s, and row MB/s / the run's raw MB/s against the 70 % target (the recorder's sustained rate as
+a share of what the disk takes raw; compression makes the bytes on disk fewer than the rows taken
+in); medians over repeats, with the share also as min-max over repeats, and the ratio to the default
+configuration within each repeat.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ class RecordParams:
     layers: tuple[int, ...] = (8, 16)
     vocab: int = 32000
     compression: str = "zstd"
-    tensor_compressions: tuple[str, ...] = ("zstd", "lz4", "none")
-    file_format: str = "parquet"
+    # format/codec/shards at once; the first is the recorder's default
+    configs: tuple[str, ...] = ("parquet/zstd/2", "parquet/zstd/1", "parquet/lz4/2", "parquet/none/2", "arrow/zstd/2",
+                                "arrow/none/2")
     repeats: int = 3
     cases: list[str] = field(default_factory=lambda: ["hidden", "logits"])
     e2e: bool = True  # also daemon -> watch -> recorder against a watch that only reads
@@ -88,7 +94,12 @@ def _captures(p: RecordParams, case: str, n: int) -> list[Any]:
     return out
 
 
-def run_case(p: RecordParams, case: str, root: str, tensor_compression: str | None = None) -> dict[str, Any]:
+def parse_config(config: str) -> tuple[str, str, int]:
+    fmt, codec, n = config.split("/")
+    return fmt, codec, int(n)
+
+
+def run_case(p: RecordParams, case: str, root: str, config: str | None = None) -> dict[str, Any]:
     from vllm_tap.client.record import Recorder, RecordOptions
 
     caps = _captures(p, case, 8)
@@ -96,9 +107,10 @@ def run_case(p: RecordParams, case: str, root: str, tensor_compression: str | No
                                            + (p.vocab if case == "logits" else 0)) * 4
     n = max(1, (p.data_mib << 20) // per_cap)
     dest = tempfile.mkdtemp(prefix=f"rec-{case}-", dir=root)
-    tc = tensor_compression or p.tensor_compressions[0]
-    rec = Recorder(dest, RecordOptions(writer="bench", compression=p.compression, tensor_compression=tc,
-                                       file_format=p.file_format)).open()
+    config = config or p.configs[0]
+    fmt, tc, lanes = parse_config(config)
+    rec = Recorder(dest, RecordOptions(writer="bench", compression=p.compression if fmt == "parquet" else tc,
+                                       tensor_compression=tc, file_format=fmt, parallel_shards=lanes)).open()
     t0 = time.perf_counter()
     for s in range(n):
         b, c = caps[s % len(caps)]
@@ -110,7 +122,7 @@ def run_case(p: RecordParams, case: str, root: str, tensor_compression: str | No
     m = rec.core.manifest
     disk = sum(s.bytes + s.captures_bytes for s in m.shards)
     shutil.rmtree(dest, ignore_errors=True)
-    return {"case": case, "tensor_compression": tc, "captures": n, "rows": st.rows, "row_bytes": st.tensor_bytes, "file_bytes": disk,
+    return {"case": case, "config": config, "captures": n, "rows": st.rows, "row_bytes": st.tensor_bytes, "file_bytes": disk,
             "seconds": dt, "row_mb_s": st.tensor_bytes / dt / 1e6, "disk_mb_s": disk / dt / 1e6, "rows_s": st.rows / dt,
             "shards": len(m.shards)}
 
@@ -122,21 +134,20 @@ def run(p: RecordParams, echo: Callable[[str], None]) -> dict[str, Any]:
     root = p.dir or os.getcwd()
     work = tempfile.mkdtemp(prefix="vllm-tap-bench-record-", dir=root)
     rows: list[dict[str, Any]] = []
-    combos = [(case, tc) for case in p.cases for tc in p.tensor_compressions]
+    combos = [(case, c) for case in p.cases for c in p.configs]
     try:
         for rep in range(p.repeats):
-            raw = raw_write_mb_s(os.path.join(work, "raw.bin"), p.raw_mib)
-            echo(f"raw sequential write: {raw:.0f} MB/s (load average {os.getloadavg()[0]:.1f})")
             k = rep % len(combos)
-            for case, tc in combos[k:] + combos[:k]:
-                r = run_case(p, case, work, tc)
-                r["raw_mb_s"] = raw
-                r["share_of_raw"] = r["row_mb_s"] / raw
+            for case, cfg in combos[k:] + combos[:k]:
+                raw = raw_write_mb_s(os.path.join(work, "raw.bin"), p.raw_mib)
+                r = run_case(p, case, work, cfg)
+                r["raw_before_mb_s"] = raw
                 r["repeat"] = rep
                 r["load"] = os.getloadavg()[0]
                 rows.append(r)
-                echo(f"{case:>7} tensors {tc:>4}: {r['row_mb_s']:.0f} MB/s of rows in ({r['rows_s']:.0f} rows/s), "
-                     f"{r['disk_mb_s']:.0f} MB/s to disk; rows in = {100 * r['share_of_raw']:.0f} % of raw")
+                echo(f"{case:>7} {cfg:>14}: {r['row_mb_s']:.0f} MB/s of rows in ({r['rows_s']:.0f} rows/s), "
+                     f"{r['disk_mb_s']:.0f} MB/s to disk; raw disk just before: {raw:.0f} MB/s; "
+                     f"load average {r['load']:.1f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     e2e = None
@@ -146,27 +157,38 @@ def run(p: RecordParams, echo: Callable[[str], None]) -> dict[str, Any]:
             e2e = run_e2e(p, work, echo)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+    raw_run = float(np.median([r["raw_before_mb_s"] for r in rows]))
+    for r in rows:
+        r["raw_mb_s"] = raw_run
+        r["share_of_raw"] = r["row_mb_s"] / raw_run
+    echo(f"raw sequential write, median of {len(rows)} measurements: {raw_run:.0f} MB/s "
+         f"({min(r['raw_before_mb_s'] for r in rows):.0f}-{max(r['raw_before_mb_s'] for r in rows):.0f})")
     summary = {}
-    for case, tc in combos:
-        rs = [r for r in rows if r["case"] == case and r["tensor_compression"] == tc]
-        summary[f"{case}/{tc}"] = {k: float(np.median([r[k] for r in rs])) for k in
-                                   ("row_mb_s", "disk_mb_s", "rows_s", "raw_mb_s", "share_of_raw", "load")}
-        summary[f"{case}/{tc}"].update(case=case, tensor_compression=tc, share_min=min(r["share_of_raw"] for r in rs),
-                                       share_max=max(r["share_of_raw"] for r in rs),
-                                       file_ratio=float(np.median([r["file_bytes"] / r["row_bytes"] for r in rs])))
+    for case, cfg in combos:
+        rs = [r for r in rows if r["case"] == case and r["config"] == cfg]
+        base = {r["repeat"]: r["row_mb_s"] for r in rows if r["case"] == case and r["config"] == p.configs[0]}
+        summary[f"{case}/{cfg}"] = {k: float(np.median([r[k] for r in rs])) for k in
+                                    ("row_mb_s", "disk_mb_s", "rows_s", "raw_mb_s", "share_of_raw", "load")}
+        summary[f"{case}/{cfg}"].update(case=case, config=cfg, share_min=min(r["share_of_raw"] for r in rs),
+                                        share_max=max(r["share_of_raw"] for r in rs),
+                                        file_ratio=float(np.median([r["file_bytes"] / r["row_bytes"] for r in rs])),
+                                        to_default=float(np.median([r["row_mb_s"] / base[r["repeat"]] for r in rs])))
     return {"params": {k: v for k, v in vars(p).items()}, "runs": rows, "summary": summary, "target_share_of_raw": 0.7,
-            "e2e": e2e}
+            "raw_mb_s": raw_run, "raw_min_mb_s": min(r["raw_before_mb_s"] for r in rows),
+            "raw_max_mb_s": max(r["raw_before_mb_s"] for r in rows), "e2e": e2e}
 
 
 def table(res: dict[str, Any]) -> str:
-    lines = ["| capture | tensor codec | rows in MB/s | rows/s | to disk MB/s | file / rows | raw disk MB/s "
-             "| rows in / raw (target >= 70 %), min-max | load avg |",
+    lines = [f"Raw sequential write of the disk: {res['raw_mb_s']:.0f} MB/s (median of {len(res['runs'])} "
+             f"measurements in this run, {res['raw_min_mb_s']:.0f}-{res['raw_max_mb_s']:.0f}).", "",
+             "| capture | format / codec / shards at once | rows in MB/s | rows/s | to disk MB/s | file / rows "
+             "| rows in / raw (target >= 70 %), min-max | to the default | load avg |",
              "|---|---|---|---|---|---|---|---|---|"]
     for s in res["summary"].values():
-        lines.append(f"| {s['case']} | {s['tensor_compression']} | {s['row_mb_s']:.0f} | {s['rows_s']:.0f} "
-                     f"| {s['disk_mb_s']:.0f} | {s['file_ratio']:.2f} | {s['raw_mb_s']:.0f} "
+        lines.append(f"| {s['case']} | {s['config']} | {s['row_mb_s']:.0f} | {s['rows_s']:.0f} "
+                     f"| {s['disk_mb_s']:.0f} | {s['file_ratio']:.2f} "
                      f"| {100 * s['share_of_raw']:.0f} % ({100 * s['share_min']:.0f}-{100 * s['share_max']:.0f} %) "
-                     f"| {s['load']:.1f} |")
+                     f"| {s['to_default']:.2f}x | {s['load']:.1f} |")
     e = res.get("e2e")
     if e:
         lines += ["", f"End to end (writer process -> daemon -> watch, {e['captures']} full-logit captures of "
@@ -180,8 +202,9 @@ def table(res: dict[str, Any]) -> str:
 
 # -- end to end: a writer process -> daemon -> watch -> recorder, against a watch that only reads --
 
-# consumer -> the recorder's tensor codec (None: a watch that only reads)
-E2E_MODES: dict[str, str | None] = {"watch only": None, "recorder": "zstd", "recorder, tensors lz4": "lz4"}
+# consumer -> the recorder's configuration, format/codec/shards at once (None: a watch that only reads)
+E2E_MODES: dict[str, str | None] = {"watch only": None, "recorder (default)": "parquet/zstd/2",
+                                    "recorder, one shard at once": "parquet/zstd/1", "recorder, Arrow IPC": "arrow/none/2"}
 
 
 def _e2e_writer(shm: str, n_caps: int, rows: int, width: int, start: Any, done: Any) -> None:
@@ -240,8 +263,12 @@ def run_e2e(p: RecordParams, root: str, echo: Callable[[str], None]) -> dict[str
         # from the newest seq now: a watch is sent on its first read, after the writer has started
         since = max(0, int(client.status(timeout=5.0)["sequence"]["next"]) - 1)
         watch = client.watch(since, whole=True, watermarks=True, timeout=120.0)
-        rec = Recorder(tempfile.mkdtemp(prefix="ds-", dir=root), RecordOptions(
-            writer="bench", tensor_compression=E2E_MODES[mode])).open() if E2E_MODES[mode] else None
+        rec = None
+        if E2E_MODES[mode]:
+            fmt, tc, lanes = parse_config(E2E_MODES[mode])  # type: ignore[arg-type]
+            rec = Recorder(tempfile.mkdtemp(prefix="ds-", dir=root), RecordOptions(
+                writer="bench", file_format=fmt, compression=p.compression if fmt == "parquet" else tc,
+                tensor_compression=tc, parallel_shards=lanes)).open()
         got = lost = nbytes = 0
         t0 = None
         try:
