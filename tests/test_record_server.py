@@ -192,7 +192,9 @@ def test_recorded_traffic_equals_fetch_logprobs_and_exports(stack, tmp_path) -> 
     export_saelens(ds, str(tmp_path / "sae"), 2, 8)
     sae = datasets.load_from_disk(str(tmp_path / "sae"))
     acts = np.asarray(sae[df.hook_name(2)], np.float32).reshape(-1, SPEC.hidden_size)
-    ordered = t.take(pa.compute.sort_indices(t, [("seq", "ascending"), ("position", "ascending")]))
+    # in the export's order: shard by shard as the manifest lists them, each in (seq, position) order
+    # (shards written at once, --parallel-shards, interleave their seqs)
+    ordered = pa.concat_tables([pq.read_table(s.rows_path, columns=[df.hook_name(2)]) for s in ds.shards])
     want = np.stack(ordered.column(df.hook_name(2)).to_numpy(zero_copy_only=False))[:len(acts)]
     assert np.array_equal(acts, want)
 
