@@ -195,6 +195,17 @@ def test_limits_stop_cleanly(daemon_factory, shm_dir, tmp_path) -> None:
 # -- SIGKILL at each step of the commit protocol, then a restart --
 
 
+def _restart_then_four_more(dest, d, shm_dir, log, *args):
+    """Restart the recorder after a kill: it commits the first scenario's 10 captures, then 4 more."""
+    rec = start_recorder(dest, d.endpoint, "--shard-size", "20KB", *args, log_path=log)
+    sc2 = scenario("b", n=4, seed=1)
+    wait_for(lambda: committed(dest, d, 10), what="the restarted recorder to commit")
+    write(shm_dir, sc2)
+    wait_for(lambda: committed(dest, d, 14), what="the restarted recorder to commit")
+    assert stop(rec) == 0, open(log).read()
+    return sc2, manifest(dest)
+
+
 @pytest.mark.parametrize("point", ["mid-shard:4", "before-upload:2", "after-rows-upload:2", "after-upload:2",
                                    "mid-manifest:3", "after-manifest:3"])
 def test_sigkill_then_restart_every_row_once(point, daemon_factory, shm_dir, tmp_path) -> None:
@@ -207,13 +218,7 @@ def test_sigkill_then_restart_every_row_once(point, daemon_factory, shm_dir, tmp
     write(shm_dir, sc)
     assert rec.wait(60) == -signal.SIGKILL, open(log).read()
     before = manifest(dest)
-    rec = start_recorder(dest, d.endpoint, "--shard-size", "20KB", log_path=log)
-    sc2 = scenario("b", n=4, seed=1)
-    wait_for(lambda: committed(dest, d, 10), what="the restarted recorder to commit")
-    write(shm_dir, sc2)
-    wait_for(lambda: committed(dest, d, 14), what="the restarted recorder to commit")
-    assert stop(rec) == 0, open(log).read()
-    after = manifest(dest)
+    sc2, after = _restart_then_four_more(dest, d, shm_dir, log)
     if before is not None:  # nothing committed before the crash was lost or changed
         assert after.shards[:len(before.shards)] == before.shards
     check_dataset(dest, [sc, sc2])
@@ -249,13 +254,7 @@ def test_sigkill_with_two_shards_in_flight_then_every_row_once(point, daemon_fac
         assert staged == ["rows-000001"] and published == ["hostA-000000.parquet"], (staged, published)
     else:  # both rows files visible, unlisted
         assert staged == [] and published == ["hostA-000000.parquet", "hostA-000001.parquet"], (staged, published)
-    rec = start_recorder(dest, d.endpoint, "--shard-size", "20KB", "--parallel-shards", "2", log_path=log)
-    sc2 = scenario("b", n=4, seed=1)
-    wait_for(lambda: committed(dest, d, 10), what="the restarted recorder to commit")
-    write(shm_dir, sc2)
-    wait_for(lambda: committed(dest, d, 14), what="the restarted recorder to commit")
-    assert stop(rec) == 0, open(log).read()
-    after = manifest(dest)
+    sc2, after = _restart_then_four_more(dest, d, shm_dir, log, "--parallel-shards", "2")
     assert len(after.shards) >= 2
     seqs = [(s.seq_first, s.seq_last) for s in after.shards]
     assert any(a[1] > b[0] for a, b in zip(seqs, seqs[1:])), f"no two shards were filled at once: {seqs}"

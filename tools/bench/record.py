@@ -150,14 +150,14 @@ def run(p: RecordParams, echo: Callable[[str], None]) -> dict[str, Any]:
                      f"load average {r['load']:.1f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    raw_run = float(np.median([r["raw_before_mb_s"] for r in rows]))
     e2e = None
     if p.e2e:
         work = tempfile.mkdtemp(prefix="vllm-tap-bench-record-", dir=root)
         try:
-            e2e = run_e2e(p, work, echo)
+            e2e = run_e2e(p, work, echo, raw_run)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    raw_run = float(np.median([r["raw_before_mb_s"] for r in rows]))
     for r in rows:
         r["raw_mb_s"] = raw_run
         r["share_of_raw"] = r["row_mb_s"] / raw_run
@@ -193,22 +193,37 @@ def table(res: dict[str, Any]) -> str:
     if e:
         lines += ["", f"End to end (writer process -> daemon -> watch, {e['captures']} full-logit captures of "
                   f"{e['rows_per_capture']} x {e['vocab']}):", "",
-                  "| consumer | MB/s of rows | captures | lost |", "|---|---|---|---|"]
+                  "| consumer | writer | MB/s of rows | captures | lost | done after the writer, s |",
+                  "|---|---|---|---|---|---|"]
         for mode in E2E_MODES:
-            m = e[mode]
-            lines.append(f"| {mode} | {m['mb_s']:.0f} | {m['captures']} | {m['lost']} |")
+            m = e.get(mode)
+            if m is None:
+                continue
+            writer = f"paced at {m['writer_mb_s']:.0f} MB/s" if m.get("writer_mb_s") else "flat out"
+            lag = f"{m['lag_s']:.2f}" if m.get("lag_s") is not None else "-"
+            lines.append(f"| {mode} | {writer} | {m['mb_s']:.0f} | {m['captures']} | {m['lost']} | {lag} |")
     return "\n".join(lines)
 
 
 # -- end to end: a writer process -> daemon -> watch -> recorder, against a watch that only reads --
 
+PACED_MODE = "recorder (default), writer paced"
+
 # consumer -> the recorder's configuration, format/codec/shards at once (None: a watch that only reads)
 E2E_MODES: dict[str, str | None] = {"watch only": None, "recorder (default)": "parquet/zstd/2",
-                                    "recorder, one shard at once": "parquet/zstd/1", "recorder, Arrow IPC": "arrow/none/2"}
+                                    "recorder, one shard at once": "parquet/zstd/1", "recorder, Arrow IPC": "arrow/none/2",
+                                    PACED_MODE: "parquet/zstd/2"}
+# Flat out, the writer and the daemon deliver more than this disk takes (so no recorder could keep
+# up); paced at a share of the run's raw disk rate, the question is whether the recorder keeps up
+# with a daemon that delivers less than the disk's bandwidth: its rate equals the writer's, nothing
+# lost, and it finishes right after the writer (lag).
+PACE_SHARE_OF_RAW = 0.3
 
 
-def _e2e_writer(shm: str, n_caps: int, rows: int, width: int, start: Any, done: Any) -> None:
-    """Full-logit captures of `rows` positions, written as fast as the ring takes them (it waits)."""
+def _e2e_writer(shm: str, n_caps: int, rows: int, width: int, start: Any, done: Any,
+                pace_mb_s: float | None = None, finished_at: Any = None) -> None:
+    """Full-logit captures of `rows` positions, written as fast as the ring takes them (it waits), or
+    at `pace_mb_s` MB/s of rows."""
     from vllm_tap import ring_format as rf
     from vllm_tap.records import TensorId
     from vllm_tap.ring import RingWriter, ring_path
@@ -221,7 +236,12 @@ def _e2e_writer(shm: str, n_caps: int, rows: int, width: int, start: Any, done: 
     x = ((x.view(np.uint32) >> 16) << 16).view(np.float32)  # bf16 values, as most models compute
     spec = CaptureSpec().to_meta()
     start.wait()
+    t0 = time.perf_counter()
     for c in range(n_caps):
+        if pace_mb_s:
+            ahead = c * rows * width * 4 / (pace_mb_s * 1e6) - (time.perf_counter() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
         name = f"e2e-{os.getpid()}-{c}"
         eng.write_control(rf.RecordKind.BEGIN, name, {"spec": spec, "num_prompt_tokens": rows // 2, "n": 1,
                                                       "model": "bench", "prompt_token_ids": list(range(rows // 2))})
@@ -234,13 +254,15 @@ def _e2e_writer(shm: str, n_caps: int, rows: int, width: int, start: Any, done: 
                                                     "end_position": rows})
     while not eng.flush():
         time.sleep(0.001)
+    if finished_at is not None:
+        finished_at.value = time.time()
     done.set()
     time.sleep(1.0)
     w.close()
     eng.close()
 
 
-def run_e2e(p: RecordParams, root: str, echo: Callable[[str], None]) -> dict[str, Any]:
+def run_e2e(p: RecordParams, root: str, echo: Callable[[str], None], raw_mb_s: float | None = None) -> dict[str, Any]:
     import multiprocessing as mp
 
     from vllm_tap.client import Client, LostCaptures, WatchedCapture
@@ -249,15 +271,19 @@ def run_e2e(p: RecordParams, root: str, echo: Callable[[str], None]) -> dict[str
 
     rows, width = p.rows_per_capture, p.vocab
     n_caps = max(4, (p.data_mib << 20) // (rows * width * 4))
-    out: dict[str, Any] = {"captures": n_caps, "rows_per_capture": rows, "vocab": width}
+    pace = PACE_SHARE_OF_RAW * raw_mb_s if raw_mb_s else None
+    out: dict[str, Any] = {"captures": n_caps, "rows_per_capture": rows, "vocab": width, "pace_mb_s": pace}
     for mode in E2E_MODES:
+        if mode == PACED_MODE and not pace:
+            continue
         shm = tempfile.mkdtemp(prefix="vt-bench-rec-", dir="/dev/shm")
         tmp = tempfile.mkdtemp(prefix="vt-")  # short: ipc socket paths are limited to ~107 bytes
         daemon = DaemonHandle(shm, f"ipc://{tmp}/d.sock", os.path.join(tmp, "daemon.log"),
                               state_dir=os.path.join(tmp, "state")).start(extra=["--retain-bytes", str(1 << 30)])
         ctx = mp.get_context("spawn")
-        start, done = ctx.Event(), ctx.Event()
-        proc = ctx.Process(target=_e2e_writer, args=(shm, n_caps, rows, width, start, done))
+        start, done, finished_at = ctx.Event(), ctx.Event(), ctx.Value("d", 0.0)
+        proc = ctx.Process(target=_e2e_writer, args=(shm, n_caps, rows, width, start, done,
+                                                     pace if mode == PACED_MODE else None, finished_at))
         proc.start()
         client = Client(daemon.endpoint)
         # from the newest seq now: a watch is sent on its first read, after the writer has started
@@ -289,6 +315,7 @@ def run_e2e(p: RecordParams, root: str, echo: Callable[[str], None]) -> dict[str
                     break
             if rec is not None:
                 rec.close()
+            closed_at = time.time()
             dt = time.perf_counter() - (t0 or time.perf_counter())
         finally:
             watch.close()
@@ -296,6 +323,11 @@ def run_e2e(p: RecordParams, root: str, echo: Callable[[str], None]) -> dict[str
             daemon.stop()
             shutil.rmtree(shm, ignore_errors=True)
             shutil.rmtree(tmp, ignore_errors=True)
-        out[mode] = {"mb_s": nbytes / max(dt, 1e-9) / 1e6, "captures": got, "lost": lost}
-        echo(f"end to end, {mode}: {out[mode]['mb_s']:.0f} MB/s of rows, {got} captures, {lost} lost")
+        # lag: from the writer's last commit to the recorder's last manifest (or the watch's last capture)
+        lag = closed_at - finished_at.value if finished_at.value else None
+        out[mode] = {"mb_s": nbytes / max(dt, 1e-9) / 1e6, "captures": got, "lost": lost, "lag_s": lag,
+                     "writer_mb_s": pace if mode == PACED_MODE else None}
+        echo(f"end to end, {mode}: {out[mode]['mb_s']:.0f} MB/s of rows, {got} captures, {lost} lost, "
+             f"done {lag if lag is not None else float('nan'):.2f} s after the writer"
+             + (f" (writer paced at {pace:.0f} MB/s)" if mode == PACED_MODE else ""))
     return out
