@@ -228,18 +228,20 @@ def _slow_subscriber(endpoint: str, name: str, sleep_s: float, ready_path: str, 
         q.put(repr(e))
 
 
-def test_a_region_reused_under_a_slow_subscriber_is_detected_never_read(daemon_factory, shm_dir, sock_dir):
-    # retain_bytes 0: a capture is dropped as soon as it ended and its messages went out, so the
-    # arena reuses its regions for the next capture while the subscriber still holds descriptors.
+def _stream_to_a_slow_subscriber(daemon_factory, shm_dir, sock_dir, n_other, sleep_s, linger_s):
+    """One capture streamed as descriptors to a subscriber that sleeps `sleep_s` after its first chunk,
+    with retention 0 (the capture is dropped once sent); `other` has `n_other` captures to write next,
+    into the regions the dropped capture frees. Returns the scenarios, the daemon, the result queue
+    and the subscriber process."""
     sc = Scenario(tp=1, n_requests=1, prompt_len=4, gen_len=120, chunk=4, vocab=2048, hidden=16, layers=(0,),
                   ring_bytes=8 << 20)
-    other = Scenario(tp=1, n_requests=6, prompt_len=4, gen_len=120, chunk=4, vocab=2048, hidden=16, layers=(0,),
-                     ring_bytes=8 << 20, prefix="other", seed=1)
-    d = daemon_factory(end_grace_s=0.5, retain_bytes=0, arena_linger_s=0.5)
+    other = Scenario(tp=1, n_requests=n_other, prompt_len=4, gen_len=120, chunk=4, vocab=2048, hidden=16,
+                     layers=(0,), ring_bytes=8 << 20, prefix="other", seed=1)
+    d = daemon_factory(end_grace_s=0.5, retain_bytes=0, arena_linger_s=linger_s)
     ready = os.path.join(sock_dir, "ready")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_slow_subscriber, args=(d.endpoint, sc.request_id(0), 6.0, ready, q))
+    p = ctx.Process(target=_slow_subscriber, args=(d.endpoint, sc.request_id(0), sleep_s, ready, q))
     p.start()
     _wait(lambda: d.status()["subscribers_waiting"] == 1, 20, "the subscriber")
     eng = SyntheticEngine(sc, shm_dir)
@@ -249,6 +251,13 @@ def test_a_region_reused_under_a_slow_subscriber_is_detected_never_read(daemon_f
     while eng.run_step():  # the rest goes out as descriptors while the subscriber sleeps
         pass
     eng.close()
+    return sc, other, d, q, p
+
+
+def test_a_region_reused_under_a_slow_subscriber_is_detected_never_read(daemon_factory, shm_dir, sock_dir):
+    # retain_bytes 0: a capture is dropped as soon as it ended and its messages went out, so the
+    # arena reuses its regions for the next capture while the subscriber still holds descriptors.
+    sc, other, d, q, p = _stream_to_a_slow_subscriber(daemon_factory, shm_dir, sock_dir, 6, 6.0, 0.5)
     _wait(lambda: d.status()["subscribers"] == 0, 20, "the subscription to be sent out and done")
     _wait(lambda: d.status()["retained_requests"] == 0 and d.status()["arena"]["pinned_captures"] == 0, 20,
           "the capture to be dropped and let go")
@@ -277,24 +286,7 @@ def test_a_subscriber_within_the_linger_gets_everything_after_retention_dropped_
                                                                                             sock_dir):
     """Descriptors already handed to zmq keep their capture pinned for arena_linger_s: a subscriber a
     little behind loses nothing even when retention (0 here) drops the capture at once."""
-    sc = Scenario(tp=1, n_requests=1, prompt_len=4, gen_len=120, chunk=4, vocab=2048, hidden=16, layers=(0,),
-                  ring_bytes=8 << 20)
-    other = Scenario(tp=1, n_requests=4, prompt_len=4, gen_len=120, chunk=4, vocab=2048, hidden=16, layers=(0,),
-                     ring_bytes=8 << 20, prefix="other", seed=1)
-    d = daemon_factory(end_grace_s=0.5, retain_bytes=0, arena_linger_s=30)
-    ready = os.path.join(sock_dir, "ready")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_slow_subscriber, args=(d.endpoint, sc.request_id(0), 4.0, ready, q))
-    p.start()
-    _wait(lambda: d.status()["subscribers_waiting"] == 1, 20, "the subscriber")
-    eng = SyntheticEngine(sc, shm_dir)
-    eng.begin()
-    eng.run_step()
-    _wait(lambda: os.path.exists(ready), 20, "the first chunk")
-    while eng.run_step():
-        pass
-    eng.close()
+    sc, other, d, q, p = _stream_to_a_slow_subscriber(daemon_factory, shm_dir, sock_dir, 4, 4.0, 30)
     _wait(lambda: d.status()["subscribers"] == 0 and d.status()["retained_requests"] == 0, 20, "the capture dropped")
     assert d.status()["arena"]["pinned_captures"] == 1
     eng2 = SyntheticEngine(other, shm_dir)
