@@ -57,7 +57,8 @@ import torch
 
 from vllm_tap import ring_format as rf
 from vllm_tap.hooks import guard
-from vllm_tap.hooks.publisher import Publisher, gather_rows, report_drop
+from vllm_tap.hooks.cost import StepCost
+from vllm_tap.hooks.publisher import STORAGE, DeviceIndices, Publisher, gather_rows, report_drop
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
 from vllm_tap.records import RequestRef, RequestTable, TensorId
 from vllm_tap.ring import RingWriter
@@ -305,6 +306,70 @@ class _DecodeRows:
         return block, flat, _NO_ROWS, self.batch_rows if sel is self.everyone else self.batch_rows[sel]
 
 
+def _grouped(by_part: list, which) -> list:
+    """The parts `which(part.what)` selects, grouped by the requests (sel) that ask for them, in
+    order: [(sel, [parts])]. Each group becomes one record."""
+    groups: dict[bytes, tuple[np.ndarray, list]] = {}
+    for part, sel in by_part:
+        if which(part.what):
+            key = sel.tobytes()
+            got = groups.get(key)
+            if got is None:
+                groups[key] = (sel, [part])
+            else:
+                got[1].append(part)
+    return list(groups.values())
+
+
+def _section(tid: TensorId, dtype: torch.dtype, sl: tuple[int, int], full: int) -> tuple:
+    """A record section as the publisher takes it: the ring writer's five fields, then the storage dtype."""
+    return (tid, STORAGE[dtype], sl[1] - sl[0], sl, full, dtype)
+
+
+def _pick(segments: list, mine: np.ndarray) -> list:
+    """The segments (tensor, rows or None = all) restricted to the record rows `mine` (ascending)."""
+    lengths = [len(i) if i is not None else t.shape[0] for t, i in segments]
+    seg_of_row = np.repeat(np.arange(len(segments)), lengths)
+    seg_start = np.cumsum([0] + lengths)
+    out = []
+    for k, (t, i) in enumerate(segments):
+        at = mine[seg_of_row[mine] == k] - seg_start[k]
+        if len(at):
+            out.append((t, at if i is None else i[at]))
+    return out
+
+
+class _Reduced:
+    """The top-k and chosen-index parts' shared work: one gather of every logit row they need, one
+    logsumexp and one top-k (at the largest k) for all of them; each record then takes its rows."""
+
+    def __init__(self, step: "CaptureStep", parts: list, logits, extra):
+        sels = [sel for _, sel in parts]
+        self.same = all(s is sels[0] or np.array_equal(s, sels[0]) for s in sels)  # the usual case: one spec
+        union = sels[0] if self.same else np.unique(np.concatenate(sels))
+        self.block, _, segments = step._segments(union, logits, extra)
+        blocks = [gather_rows(t, i, step.core.to_device) for t, i in segments]
+        self.rows = blocks[0] if len(blocks) == 1 else torch.cat(blocks)  # cat would copy even one
+        # k=1 for chosen parts alone: the row's largest element, which the logsumexp reads at
+        # (torch.argmax is ~10x slower than this on the CPU).
+        kmax = max((p.topk for p, _ in parts if p.what == "topk"), default=1)
+        self.top = topk_rows(self.rows, kmax)
+        self.lse = logsumexp_rows(self.rows, self.top[1])
+        self._to_device = step.core.to_device
+
+    def taker(self, sel: np.ndarray, block: np.ndarray):
+        """A function taking the rows of `block` (a record's row table) out of the reduced rows."""
+        if self.same:
+            return lambda t: t
+        pick = self._to_device(_rows_within(self.block, block))
+        return lambda t: t.index_select(0, pick)
+
+
+def _stored(t: torch.Tensor, to_f32: bool) -> torch.dtype:
+    """The dtype a tensor's rows are stored in: its own, or float32 when the spec asks for it."""
+    return torch.float32 if to_f32 and t.dtype.is_floating_point else t.dtype
+
+
 def _rows_within(block: np.ndarray, sub: np.ndarray) -> np.ndarray:
     """Indices into `block`'s rows of `sub`'s rows (row tables: slot, position, id); every row of
     sub is in block. Vectorised: a row is its (slot, position)."""
@@ -370,6 +435,9 @@ class CaptureCore:
         self.publisher = publisher
         self.model_dtype = model_dtype
         self.device = torch.device(device)
+        # Row indices for gathers on the device, uploaded once per distinct batch layout.
+        self.to_device = DeviceIndices(self.device) if self.device.type != "cpu" else torch.from_numpy
+        self.cost = StepCost(drops=self.records_dropped)
         self.tp_rank, self.tp_size = place.tp_rank, place.tp_size
         self.is_last_stage = place.is_last_stage
         self.layers = place.layers
@@ -596,6 +664,9 @@ class CaptureCore:
             t = self._indices[indices] = torch.tensor(indices, dtype=torch.long, device=self.device)
         return t
 
+    def records_dropped(self) -> int:
+        return self.writer.stats()["records_dropped"] + getattr(self.publisher, "staging_drops", 0)
+
     def close(self) -> None:
         self.publisher.close()
 
@@ -618,35 +689,67 @@ class CaptureStep:
         self.wants_logits = (bool(extra_rows) or any(part.what != "hidden" for part, _ in by_part)
                              if wants_logits is None else wants_logits)
         self.logits_done = False
+        self.logits_ns = 0  # host time of write_logits (the V2 adapter counts it in the step's cost)
         self.closed = False
 
     # -- writing --
 
     def write_states(self) -> None:
-        for part, sel in self.by_part:
-            if part.what == "hidden":
-                block, flat = self.rows.rows(sel)
-                src, sl, full = self.core._shard(self.view.aux[self.core.aux_index[part.layer]])
-                self._write([(_hidden_id(part.layer), [(src, flat)], sl, full, part.to_f32)], block, flat)
+        """The hidden-state parts: one record per set of requests that asks for them (the usual case:
+        one record for the step), a section per layer."""
+        core = self.core
+        for sel, parts in _grouped(self.by_part, lambda what: what == "hidden"):
+            block, flat = self.rows.rows(sel)
+            sections, fills = [], []
+            for part in parts:
+                src, sl, full = core._shard(self.view.aux[core.aux_index[part.layer]])
+                sections.append(_section(_hidden_id(part.layer), _stored(src, part.to_f32), sl, full))
+                fills.append([(src, flat)])
+            self._write(sections, fills, block, flat)
 
     def write_logits(self, logits: torch.Tensor | None) -> None:
-        """The step's sampled logits rows (one per request, batch order), raw: write the logits parts.
-        Runs the extra lm-head pass for rows that have no logits yet."""
+        """The step's sampled logits rows (one per request, batch order), raw: write the logits parts,
+        one record per set of requests that asks for the same part (the usual case: one), its
+        sections the part's tensors (full logits; top-k ids, values and logsumexp; chosen values and
+        logsumexp). Runs the extra lm-head pass for rows that have no logits yet."""
         if self.logits_done or not self.wants_logits:
             return
         self.logits_done = True
+        core = self.core
         extra = None
         if self.extra_rows:
             idx = np.concatenate(self.extra_rows)
-            extra = self.view.compute_logits(gather_rows(self.view.hidden, idx))
-        small = []
-        for part, sel in self.by_part:
-            if part.what == "logits":
-                self._write_full_logits(part, sel, logits, extra)
-            elif part.what != "hidden":
-                small.append((part, sel))
-        if small:
-            self._write_small(small, logits, extra)
+            extra = self.view.compute_logits(gather_rows(self.view.hidden, idx, core.to_device))
+        small = [(part, sel) for part, sel in self.by_part if part.what in ("topk", "chosen")]
+        reduced = _Reduced(self, small, logits, extra) if small else None
+        for sel, parts in _grouped(self.by_part, lambda what: what != "hidden"):
+            block, flat, segments = self._segments(sel, logits, extra)
+            sections, fills = [], []
+            lse = None
+            for part in parts:
+                if part.what == "logits":
+                    sharded = [(core._shard(t)[0], i) for t, i in segments]
+                    _, sl, full = core._shard(logits if logits is not None else extra)
+                    sections.append(_section(_LOGITS_ID, _stored(sharded[0][0], part.to_f32), sl, full))
+                    fills.append(sharded)
+                    continue
+                take = reduced.taker(sel, block)
+                if part.what == "topk":
+                    k = part.topk
+                    values = reduced.top[0][:, :k]
+                    sections += [_section(_TOPK_IDS_ID, torch.int32, (0, k), k),
+                                 _section(_TOPK_VALUES_ID, _stored(values, part.to_f32), (0, k), k)]
+                    fills += [[(take(reduced.top[1][:, :k]), None)], [(take(values), None)]]
+                else:
+                    chosen = take(reduced.rows)[:, core._indices_tensor(part.indices)]
+                    k = chosen.shape[-1]
+                    sections.append(_section(_CHOSEN_ID, _stored(chosen, part.to_f32), (0, k), k))
+                    fills.append([(chosen, None)])
+                lse = take(reduced.lse)
+            if lse is not None:  # once per record: the row's logsumexp is the same whatever the part
+                sections.append(_section(_LSE_ID, torch.float32, (0, 1), 1))
+                fills.append([(lse, None)])
+            self._write(sections, fills, block, flat)
 
     def _segments(self, sel: np.ndarray, logits, extra):
         block, flat, extra_idx, sampled_idx = self.rows.logit_rows(sel)
@@ -657,77 +760,26 @@ class CaptureStep:
             segments.append((logits, sampled_idx))
         return block, flat, segments
 
-    def _write_full_logits(self, part: _Part, sel: np.ndarray, logits, extra) -> None:
-        core = self.core
-        block, flat, segments = self._segments(sel, logits, extra)
-        segments = [(core._shard(t)[0], i) for t, i in segments]
-        _, sl, full = core._shard(logits if logits is not None else extra)
-        self._write([(_LOGITS_ID, segments, sl, full, part.to_f32)], block, flat)
-
-    def _write_small(self, parts: list, logits, extra) -> None:
-        """Top-k and chosen-index parts: whole rows, reduced here. One gather of every row they need,
-        one logsumexp and one top-k (at the largest k) for all of them; each part then takes its rows."""
-        sels = [sel for _, sel in parts]
-        same = all(s is sels[0] or np.array_equal(s, sels[0]) for s in sels)  # the usual case: one spec
-        union = sels[0] if same else np.unique(np.concatenate(sels))
-        block, flat, segments = self._segments(union, logits, extra)
-        blocks = [gather_rows(t, i) for t, i in segments]
-        rows = blocks[0] if len(blocks) == 1 else torch.cat(blocks)  # cat would copy even one
-        # One top-k at the largest k (k=1 for chosen parts alone: the row's largest element, which
-        # the logsumexp reads at; torch.argmax is ~10x slower than this on the CPU).
-        kmax = max((p.topk for p, _ in parts if p.what == "topk"), default=1)
-        top = topk_rows(rows, kmax)
-        lse = logsumexp_rows(rows, top[1])
-        for part, sel in parts:
-            if same:
-                pick, pblock, pflat = None, block, flat
-            else:
-                pblock, pflat = self.rows.logit_rows(sel)[:2]
-                pick = torch.from_numpy(_rows_within(block, pblock))
-            take = (lambda t: t) if pick is None else (lambda t: t.index_select(0, pick.to(t.device)))
-            if part.what == "topk":
-                k = part.topk
-                values, ids = top[0][:, :k], top[1][:, :k]
-                records = [(_TOPK_IDS_ID, [(take(ids).to(torch.int32), None)], (0, k), k, False),
-                           (_TOPK_VALUES_ID, [(take(values), None)], (0, k), k, part.to_f32)]
-            else:
-                chosen = take(rows)[:, self.core._indices_tensor(part.indices)]
-                k = chosen.shape[-1]
-                records = [(_CHOSEN_ID, [(chosen, None)], (0, k), k, part.to_f32)]
-            records.append((_LSE_ID, [(take(lse), None)], (0, 1), 1, False))
-            self._write(records, pblock, pflat)
-
-    def _write(self, records, block: np.ndarray, flat: np.ndarray) -> None:
+    def _write(self, sections: list, fills: list, block: np.ndarray, flat: np.ndarray) -> None:
+        """One record of `block`'s rows, a section per tensor. sections: (tensor id, dtype code,
+        width, slice, full dim, storage dtype); fills[i]: section i's segments. The copy into the ring
+        (or staging) converts to the storage dtype, so no converted temporary is made first."""
         core = self.core
         n = block.shape[1]
-        for tid, segments, sl, full, to_f32 in records:
-            dtype = segments[0][0].dtype
-            if to_f32 and dtype.is_floating_point and dtype != torch.float32:
-                dtype = torch.float32
-            width = sl[1] - sl[0]
-            if n > 1 and n * width * dtype.itemsize > core.max_record_bytes:
-                # Too big to share a record (many prefill chunks of full logits): one per request.
-                self._write_split(tid, segments, sl, full, dtype, block, flat)
-                continue
-            core.publisher.write(self.table, block, tid, dtype=dtype, width=width, slice_=sl, full_dim=full,
-                                 step=core.step, segments=segments,
-                                 device_ids=None if self.device_ids is None else (self.device_ids, flat))
+        if n > 1 and n * sum(sec[2] * sec[5].itemsize for sec in sections) > core.max_record_bytes:
+            # Too big to share a record (many prefill chunks of full logits): one per request.
+            self._write_split(sections, fills, block, flat)
+            return
+        core.publisher.write(self.table, block, tuple(sections), fills, step=core.step,
+                             device_ids=None if self.device_ids is None else (self.device_ids, flat))
 
-    def _write_split(self, tid, segments, sl, full, dtype, block, flat) -> None:
+    def _write_split(self, sections: list, fills: list, block: np.ndarray, flat: np.ndarray) -> None:
         """A record's rows written as one record per request (its rows picked out of each segment)."""
-        seg_of_row = np.concatenate([np.full(len(i) if i is not None else t.shape[0], k)
-                                     for k, (t, i) in enumerate(segments)])
-        seg_start = np.cumsum([0] + [len(i) if i is not None else t.shape[0] for t, i in segments])
         for slot in np.unique(block[0]).tolist():
             mine = np.flatnonzero(block[0] == slot)
-            sub_segments = []
-            for k, (t, i) in enumerate(segments):
-                at = mine[seg_of_row[mine] == k] - seg_start[k]
-                if len(at):
-                    sub_segments.append((t, at if i is None else i[at]))
             sub = np.ascontiguousarray(block[:, mine])
-            self.core.publisher.write(self.table, sub, tid, dtype=dtype, width=sl[1] - sl[0], slice_=sl,
-                                      full_dim=full, step=self.core.step, segments=sub_segments,
+            self.core.publisher.write(self.table, sub, tuple(sections), [_pick(segs, mine) for segs in fills],
+                                      step=self.core.step,
                                       device_ids=None if self.device_ids is None else (self.device_ids, flat[mine]))
 
     # -- ending --

@@ -35,6 +35,7 @@ never stalls, and the step's rows are reported as dropped.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -118,29 +119,25 @@ class Publisher:
         self._step: list[Reservation] = []
         self._starts: list[int] = []
 
-    def write(self, table: RequestTable, rows: np.ndarray, tensor: TensorId, *, dtype: torch.dtype, width: int,
-              slice_: tuple[int, int], full_dim: int, step: int, segments: list[Segment],
-              device_ids: tuple[torch.Tensor, np.ndarray] | None = None) -> bool:
-        """Reserve one record for `rows` and queue the copy of its payload: the rows `index` (all
-        when None) of each segment's tensor, one segment after the other, converted to `dtype`; and,
-        when the token ids live on the accelerator, device_ids = (ids tensor, flat rows) into the
-        record's id area. False when it was dropped (and reported)."""
-        res = self.writer.reserve_rows(table, rows, tensor, dtype=STORAGE[dtype], width=width, slice_=slice_,
-                                       full_dim=full_dim, step=step)
+    def write(self, table: RequestTable, rows: np.ndarray, sections: tuple, fills: list[list[Segment]], *,
+              step: int, device_ids: tuple[torch.Tensor, np.ndarray] | None = None) -> bool:
+        """Reserve one record for `rows` with a payload per section (tensor id, dtype code, width,
+        slice, full dim, storage dtype) and queue the copies: section i gets the rows `index` (all
+        when None) of each of fills[i]'s (tensor, index) segments, one after the other, converted to
+        its dtype; and, when the token ids live on the accelerator, device_ids = (ids tensor, flat
+        rows) into the record's id area. False when it was dropped (and reported)."""
+        res = self.writer.reserve_sections(table, rows, sections, step=step)
         if res is None:
             return False
         n = rows.shape[1]
         self._step.append(res)
         self._starts.append(res.record_offset)
-        dst = self._ring.view(res.payload_offset, dtype, (n, width))
-        ids = None if device_ids is None else self._ring.view(res.token_ids_offset, torch.int32, (n,))
-        self._fill(res, dst, segments, ids, device_ids)
-        return True
-
-    def _fill(self, res, dst, segments, ids_dst, device_ids) -> None:
-        _fill_segments(dst, segments, self._gather_into)
+        view = self._ring.view
+        for (at, _), sec, segments in zip(res.sections, sections, fills):
+            _fill_segments(view(at, sec[5], (n, sec[2])), segments, self._gather_into)
         if device_ids is not None:
-            self._gather_into(ids_dst, *device_ids)
+            self._gather_into(view(res.token_ids_offset, torch.int32, (n,)), *device_ids)
+        return True
 
     def _gather_into(self, dst: torch.Tensor, src: torch.Tensor, index: np.ndarray | None) -> None:
         rows = _slice_rows(src, index)
@@ -243,13 +240,48 @@ class HostBackend:
     def wait(self, done) -> None:
         done.run()
 
+    def recycle(self, done) -> None:
+        pass
+
+
+class DeviceIndices:
+    """Row indices as device tensors, kept by value: a batch that stays the same from step to step
+    (decode) asks for the same rows every step, and each upload would cost a host allocation and a
+    copy on the step thread. A miss goes through torch's pinned host allocator (an asynchronous
+    copy: nothing waits for it)."""
+
+    def __init__(self, device: torch.device, size: int = 64):
+        self.device = device
+        self.size = size
+        self._cache: dict[bytes, torch.Tensor] = {}
+        self.misses = 0
+
+    def __call__(self, index: np.ndarray) -> torch.Tensor:
+        key = index.tobytes() + bytes((index.dtype.itemsize,))
+        got = self._cache.get(key)
+        if got is None:
+            self.misses += 1
+            if len(self._cache) >= self.size:
+                self._cache.pop(next(iter(self._cache)))  # the oldest: batches come and go
+            got = self._cache[key] = torch.from_numpy(index).pin_memory().to(self.device, non_blocking=True)
+        return got
+
 
 class CudaBackend:
-    """Streams and events for the staged path on a CUDA device."""
+    """Streams and events for the staged path on a CUDA device. Events come from a pool the
+    publisher thread refills once a step's copies are done: none is created per step."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.copy_stream = torch.cuda.Stream(device)
+        self.index = DeviceIndices(device)
+        self._events: collections.deque = collections.deque()
+
+    def _event(self) -> torch.cuda.Event:
+        try:
+            return self._events.popleft()  # deque ends are thread-safe: the thread appends
+        except IndexError:
+            return torch.cuda.Event()
 
     def register(self, ring: torch.Tensor) -> None:
         # cudaHostRegisterDefault = 0: page-lock the mapping so D2H copies into it are async DMA.
@@ -264,24 +296,23 @@ class CudaBackend:
         # Without it the thread's first CUDA call would make a context on device 0.
         torch.cuda.set_device(self.device)
 
-    def index(self, index: np.ndarray) -> torch.Tensor:
-        # Through torch's pinned host allocator, which keeps the block until the copy has run.
-        return torch.from_numpy(index).pin_memory().to(self.device, non_blocking=True)
-
     def copy_after_compute(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
-        ready = torch.cuda.Event()
+        ready, done = self._event(), self._event()
         ready.record(torch.cuda.current_stream(self.device))
         s = self.copy_stream
         s.wait_event(ready)  # the copy stream waits for the compute stream, never the reverse
         with torch.cuda.stream(s):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(s)
-        return done
+        done.record(s)
+        return ready, done
 
     def wait(self, done) -> None:
-        done.synchronize()
+        done[1].synchronize()
+
+    def recycle(self, done) -> None:
+        """Both events of a step whose copies have completed go back to the pool."""
+        self._events.extend(done)
 
 
 class StagedPublisher(Publisher):
@@ -309,34 +340,34 @@ class StagedPublisher(Publisher):
         strides = (shape[1], 1) if len(shape) == 2 else (1,)
         return torch.as_strided(base, shape, strides, start)
 
-    def write(self, table, rows, tensor, *, dtype, width, slice_, full_dim, step, segments, device_ids=None) -> bool:
-        n = rows.shape[1]
-        at = self.staging.alloc(n * width * dtype.itemsize)
-        ids_at = None
-        if at is not None and device_ids is not None:
-            ids_at = self.staging.alloc(4 * n)
-        if at is None or (device_ids is not None and ids_at is None):
-            # Waiting for a copy to free staging would stall the forward: drop, count, report.
-            # (A block taken above stays taken until this step's end: harmless, it is freed then.)
+    def write(self, table, rows, sections, fills, *, step, device_ids=None) -> bool:
+        res = self.writer.reserve_sections(table, rows, sections, step=step)
+        if res is None:
+            return False
+        # One staging block holds the record as the ring will (ids, the record's padding, each
+        # section's payload and padding), so one copy moves it all.
+        first = res.sections[0][0] if device_ids is None else res.token_ids_offset
+        size = res.data_end - first
+        at = self.staging.alloc(size)
+        self._step.append(res)
+        self._starts.append(res.record_offset)
+        if at is None:
+            # Waiting for a copy to free staging would stall the forward: the record becomes PAD
+            # (committed in order with the step), its rows are reported dropped, and it is counted.
+            _pad_out(self.writer, [res.record_offset])
             self.staging_drops += 1
             if self.staging_drops == 1 or self.staging_drops % 1000 == 0:
                 log.warning("vllm-tap: device staging buffer full (%d bytes); %d records dropped so far",
                             self.staging.capacity, self.staging_drops)
-            report_drop(self.writer, table, rows, tensor)
+            for sec in sections:
+                report_drop(self.writer, table, rows, sec[0])
             return False
-        res = self.writer.reserve_rows(table, rows, tensor, dtype=STORAGE[dtype], width=width, slice_=slice_,
-                                       full_dim=full_dim, step=step)
-        if res is None:
-            return False
-        self._step.append(res)
-        self._starts.append(res.record_offset)
-        stage = self._staged(at, dtype, (n, width))
-        _fill_segments(stage, segments, self._gather_into)
-        self._pairs.append((self._ring.view(res.payload_offset, dtype, (n, width)), stage))
+        n = rows.shape[1]
         if device_ids is not None:
-            ids_stage = self._staged(ids_at, torch.int32, (n,))
-            self._gather_into(ids_stage, *device_ids)
-            self._pairs.append((self._ring.view(res.token_ids_offset, torch.int32, (n,)), ids_stage))
+            self._gather_into(self._staged(at, torch.int32, (n,)), *device_ids)
+        for (off, _), sec, segments in zip(res.sections, sections, fills):
+            _fill_segments(self._staged(at + off - first, sec[5], (n, sec[2])), segments, self._gather_into)
+        self._pairs.append((self._ring.view(first, torch.uint8, (size,)), self._staged(at, torch.uint8, (size,))))
         return True
 
     def _gather_into(self, dst: torch.Tensor, src: torch.Tensor, index: np.ndarray | None) -> None:
@@ -378,8 +409,11 @@ class StagedPublisher(Publisher):
                 return
             done, reservations, starts, mark, abandon = item
             try:
-                if done is not None:
+                if type(done) is _Signal:
+                    done.run()
+                elif done is not None:
                     self.backend.wait(done)
+                    self.backend.recycle(done)
             except Exception:
                 log.exception("vllm-tap: a step's device-to-host copy failed; its records are dropped")
                 abandon = True
@@ -416,15 +450,13 @@ class _Signal:
         self.ev.set()
 
 
-def gather_rows(src: torch.Tensor, index: np.ndarray | None) -> torch.Tensor:
-    """src's rows `index` (all when None) as a tensor on src's device (a view when contiguous)."""
+def gather_rows(src: torch.Tensor, index: np.ndarray | None, to_device=torch.from_numpy) -> torch.Tensor:
+    """src's rows `index` (all when None) as a tensor on src's device (a view when contiguous);
+    `to_device` makes the index a tensor on that device (DeviceIndices on an accelerator)."""
     rows = _slice_rows(src, index)
     if rows is not None:
         return rows
-    idx = torch.from_numpy(index)
-    if src.device.type != "cpu":
-        idx = idx.pin_memory().to(src.device, non_blocking=True)
-    return src.index_select(0, idx)
+    return src.index_select(0, to_device(index))
 
 
 def _slice_rows(src: torch.Tensor, index: np.ndarray | None) -> torch.Tensor | None:

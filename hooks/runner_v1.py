@@ -20,6 +20,7 @@ So a step never walks the batch to find its capturing requests: the view gives t
 from __future__ import annotations
 
 import functools
+from time import perf_counter_ns
 
 from vllm_tap.hooks import guard
 from vllm_tap.hooks.capture_core import StepView, host_ids
@@ -80,8 +81,11 @@ def patch_gpu_module(module) -> None:
     @functools.wraps(orig_sample)
     def sample_tokens(self, grammar_output, *args, **kwargs):
         core = getattr(self, "_vllm_tap", None)
-        if core is not None and self.execute_model_state is not None:
+        # Nobody capturing (the usual step): one attribute read and one truth test, nothing built.
+        if core is not None and core.requests and self.execute_model_state is not None:
+            t0 = perf_counter_ns()
             guard.run("capture (V1 sample_tokens)", lambda: core.capture(step_view(self, self.execute_model_state)))
+            core.cost.add(perf_counter_ns() - t0)
         return orig_sample(self, grammar_output, *args, **kwargs)
 
     cls.sample_tokens = sample_tokens
@@ -94,7 +98,7 @@ def patch_gpu_module(module) -> None:
         core = getattr(self, "_vllm_tap", None)
         if core is not None and not core.is_last_stage and hasattr(out, "tensors"):
             aux = guard.run("taking aux outputs off a pipeline stage", pop_stage_aux, self.get_model(), out)
-            if aux is not None:
+            if aux is not None and core.requests:
                 guard.run("capture (V1 pipeline stage)",
                           lambda: core.capture(step_view(self, scheduler_output, aux=aux, stage=True)))
         return out

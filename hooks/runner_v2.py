@@ -33,6 +33,7 @@ under guard.run: an error there costs that step's capture, never the server.
 from __future__ import annotations
 
 import functools
+from time import perf_counter_ns
 
 import numpy as np
 
@@ -145,16 +146,24 @@ def patch_v2_module(module) -> None:
     @functools.wraps(orig_sample_tokens)
     def sample_tokens(self, grammar_output, *args, **kwargs):
         core = getattr(self, "_vllm_tap", None)
-        if core is None or not core.is_last_stage or getattr(self, "execute_model_state", None) is None:
+        # Nobody capturing (the usual step): one attribute read and one truth test, nothing built.
+        if (core is None or not core.requests or not core.is_last_stage
+                or getattr(self, "execute_model_state", None) is None):
             return orig_sample_tokens(self, grammar_output, *args, **kwargs)
+        t0 = perf_counter_ns()
         step = guard.run("capture (V2 sample_tokens)", _begin, self, core)
+        if step is None:
+            core.cost.add(perf_counter_ns() - t0)
+            return orig_sample_tokens(self, grammar_output, *args, **kwargs)
         self._vllm_tap_step = step
+        spent = perf_counter_ns() - t0
         try:
             return orig_sample_tokens(self, grammar_output, *args, **kwargs)
         finally:
+            t1 = perf_counter_ns()
             self._vllm_tap_step = None
-            if step is not None:
-                guard.run("capture (V2 end of step)", _end, core, step, on_error=step.abandon)
+            guard.run("capture (V2 end of step)", _end, core, step, on_error=step.abandon)
+            core.cost.add(spent + step.logits_ns + perf_counter_ns() - t1)
 
     cls.sample_tokens = sample_tokens
 
@@ -173,7 +182,9 @@ def patch_v2_module(module) -> None:
             logits = lm_head(h, *a, **kw)
             if not step.logits_done:
                 # Queued on the stream before the grammar mask, which modifies `logits` in place.
+                t0 = perf_counter_ns()
                 guard.run("capture (V2 logits)", step.write_logits, logits, on_error=step.abandon)
+                step.logits_ns = perf_counter_ns() - t0
             return logits
 
         model.compute_logits = compute_logits
@@ -197,7 +208,7 @@ def patch_v2_module(module) -> None:
                 and not kwargs.get("dummy_run", False)):
             aux = guard.run("taking aux outputs off a pipeline stage", pop_stage_aux, self.get_model(), out)
             state = getattr(self, "execute_model_state", None)
-            if aux is not None and state is not None:
+            if aux is not None and state is not None and core.requests:
                 guard.run("capture (V2 pipeline stage)",
                           lambda: core.capture(step_view(self, state, aux=aux, stage=True)))
         return out

@@ -1,5 +1,5 @@
 """The capture core and the CUDA publisher on a GPU with torch alone (no vLLM): are the bytes right,
-what does the hook cost, and does the compute stream wait for the copies? (issue 18, item 1)
+what does the hook cost, and does the compute stream wait for the copies?
 
     python -m vllm_tap.tools.gpu_check [--quick] [--out results.json]
     python -m vllm_tap.tools.gpu_check --device cpu --quick     # the same logic on the CPU (a smoke run)
@@ -21,7 +21,7 @@ page-locked with cudaHostRegister → publisher thread commits) into a real ring
    the captured bytes at that bandwidth, which the copy stream spends off the compute stream.
 
 Prints a table and, with --out, writes the numbers as JSON. Exits non-zero when a byte differs.
-Nothing here has run on a GPU yet; no figure from it is claimed anywhere until it has.
+docs/benchmarks.md gives the figures measured on a GPU, with the card and the commit.
 """
 
 from __future__ import annotations
@@ -223,6 +223,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
+        if device.index is None:  # torch.cuda.set_device needs an index: "cuda" means the current device
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     vocabs = [32000] if args.quick else [32000, 128256]
     scenarios = [s for s in SCENARIOS if not args.quick or s.name in ("decode-8", "prefill-256")]

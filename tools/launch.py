@@ -102,12 +102,20 @@ class ServerHandle:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 300.0) -> "ServerHandle":
+        self.spawn()
+        return self.wait_healthy(timeout)
+
+    def spawn(self) -> "ServerHandle":
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                 "--host", "127.0.0.1", "--port", str(self.port), *self.args]
         env = {**os.environ, **self.env}
         log.info("starting vLLM: %s", " ".join(argv))
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=out, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+        return self
+
+    def wait_healthy(self, timeout: float = 300.0) -> "ServerHandle":
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
@@ -148,6 +156,13 @@ def cpu_server_args(eager: bool = True, max_num_batched_tokens: int | None = Non
     if max_num_batched_tokens:
         args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     return args
+
+
+def gpu_server_args(max_model_len: int = 1024, gpu_memory_utilization: float = 0.25, dtype: str = "bfloat16") -> list[str]:
+    """A GPU server as vLLM runs it by default (compiled, CUDA graphs, async scheduling), sized to share
+    the card with others."""
+    return ["--dtype", dtype, "--gpu-memory-utilization", str(gpu_memory_utilization),
+            "--max-model-len", str(max_model_len)]
 
 
 def scratch_dir(prefix: str) -> str:

@@ -171,28 +171,36 @@ class _Cursor:
 
 
 class Reservation:
-    """Space held in the ring for one record; fill `payload`, then `RingWriter.commit` it.
+    """Space held in the ring for one record; fill its sections' payloads, then `RingWriter.commit` it.
 
-    (A slotted class, not a dataclass: one is made per captured tensor per step.)"""
+    (A slotted class, not a dataclass: one is made per record per step.)"""
 
     __slots__ = ("start", "end", "payload_offset", "payload_nbytes", "token_ids_offset", "record_offset", "done",
-                 "_buf")
+                 "sections", "_buf")
 
     def __init__(self, start: int, end: int, payload_offset: int, payload_nbytes: int, token_ids_offset: int,
-                 record_offset: int, buf: np.ndarray):
+                 record_offset: int, buf: np.ndarray, sections: list[tuple[int, int]] | None = None):
         self.start = start  # cursor where this reservation begins (including any PAD before the record)
         self.end = end
-        self.payload_offset = payload_offset  # byte offset of the payload within the whole file mapping
-        self.payload_nbytes = payload_nbytes
+        self.payload_offset = payload_offset  # byte offset of section 0's payload within the whole file mapping
+        self.payload_nbytes = payload_nbytes  # of section 0
         self.token_ids_offset = token_ids_offset  # byte offset of the int32 token ids within the file mapping
         self.record_offset = record_offset  # byte offset of the record header within the file mapping
+        # (payload offset within the mapping, bytes) of each section
+        self.sections = sections if sections is not None else [(payload_offset, payload_nbytes)]
         self.done = False
         self._buf = buf
 
     @property
     def payload(self) -> np.ndarray:
-        """uint8 view of the payload bytes."""
+        """uint8 view of the payload bytes (of section 0)."""
         return self._buf[self.payload_offset : self.payload_offset + self.payload_nbytes]
+
+    @property
+    def data_end(self) -> int:
+        """Offset within the mapping just past the last section's payload."""
+        at, nb = self.sections[-1]
+        return at + nb
 
 
 class RingWriter:
@@ -544,26 +552,34 @@ class RingWriter:
         self, table: RequestTable, rows: np.ndarray, tensor: TensorId, *, dtype: int, width: int,
         slice_: tuple[int, int] | None = None, full_dim: int | None = None, step: int = 0,
     ) -> Reservation | None:
-        """Hold room for one step's rows of one tensor, for the requests of `table`.
+        """Hold room for one step's rows of one tensor: `reserve_sections` with one section."""
+        return self.reserve_sections(
+            table, rows, ((tensor, dtype, width, slice_ if slice_ is not None else (0, width),
+                           full_dim if full_dim is not None else width),), step=step)
+
+    def reserve_sections(self, table: RequestTable, rows: np.ndarray, sections: tuple, *, step: int = 0
+                         ) -> Reservation | None:
+        """Hold room for one step's rows of one or more tensors, for the requests of `table`.
 
         rows: C-contiguous int32 [3, n]: per row its table entry (slot), its position and its token
         id; the ids may be left for the caller to fill before commit (at token_ids_offset), e.g. by a
-        device copy when they only exist on the accelerator. The three lie in the record exactly as
-        in `rows`, so they go in with one store. A request's rows must be in position order among
-        themselves. None when it does not fit: counted as dropped and reported by one DROP record
-        per request that had rows in it.
+        device copy when they only exist on the accelerator. A request's rows must be in position
+        order among themselves. sections: a tuple of (tensor id, dtype code, width, (slice start,
+        stop), full dim), each a payload [n, width] of the same rows, in this order.
+        None when it does not fit: counted as dropped and reported by one DROP record per request
+        and section that had rows in it.
         """
         if rows.dtype != _ROW_DTYPE or rows.ndim != 2 or rows.shape[0] != 3 or not rows.flags.c_contiguous:
             raise ValueError("rows must be a C-contiguous int32 array of shape [3, n]")
         n = rows.shape[1]
         meta = table.blob
-        # The record's header and request table are the same from step to step while the batch is
-        # (only the step number differs): packed once, stored with one slice store per record.
-        key = (meta, n, tensor, dtype, width, slice_, full_dim)
+        # The record's header, request table and section table are the same from step to step
+        # while the batch is (only the step number differs): packed once, stored with one slice store.
+        key = (meta, n, sections)
         prep = self._prepared.get(key)
         if prep is None:
             prep = self._prepare(key, len(table))
-        prefix, slots_off, ids_off, payload_off, nbytes, total = prep
+        prefix, slots_off, ids_off, sec_table, sec_off, offsets, nbytes, total = prep
         with self._lock:
             # Checked at the first reservation after a commit (a step's first record) and at the
             # commit: one fstat each, not one per record.
@@ -575,7 +591,8 @@ class RingWriter:
                 self._flush_backlog()
             got = self._reserve_blocking(total)
             if got is None:
-                self._drop(table, rows[0], rows[1], tensor, total)
+                for sec in sections:
+                    self._drop(table, rows[0], rows[1], sec[0], total)
                 self._checked = False  # no commit may follow: check again at the next record
                 return None
             start, at = got
@@ -584,31 +601,49 @@ class RingWriter:
             base = rf.HEADER_SIZE + rel
             mm[base : base + slots_off] = prefix
             _STEP.pack_into(mm, base + _STEP_OFFSET, step)
-            mm[base + slots_off : base + slots_off + 12 * n] = rows
+            if sec_table:
+                mm[base + slots_off : base + slots_off + 8 * n] = rows[:2]
+                mm[base + sec_off : base + sec_off + len(sec_table)] = sec_table
+                mm[base + ids_off : base + ids_off + 4 * n] = rows[2]
+            else:  # slots, positions and ids lie together: one store
+                mm[base + slots_off : base + slots_off + 12 * n] = rows
             self._records_written += 1
             self._bytes_written += total
             _COUNTS.pack_into(mm, rf.STATS_OFFSET, self._records_written, self._bytes_written)
-            return self._push(start, at + total, rel + payload_off, nbytes, rel + ids_off, rel)
+            res = self._push(start, at + total, rel + offsets[0], nbytes[0], rel + ids_off, rel)
+            if sec_table:
+                res.sections = [(base + o, nb) for o, nb in zip(offsets, nbytes)]
+            return res
 
     def _prepare(self, key: tuple, n_requests: int) -> tuple:
-        """A DATA record's prefix (header with step 0, request table, padding) and its offsets."""
-        meta, n, tensor, dtype, width, slice_, full_dim = key
+        """A DATA record's prefix (header with step 0, request table, padding), its section table and
+        its offsets."""
+        meta, n, sections = key
         if n_requests > rf.MAX_REQUESTS_PER_RECORD:
             raise ValueError(f"a record holds at most {rf.MAX_REQUESTS_PER_RECORD} requests")
-        itemsize = _ITEMSIZE.get(dtype) or rf.storage_dtype(dtype).itemsize  # the latter raises on a bad code
-        nbytes = n * width * itemsize
-        _, slots_off, _, ids_off, payload_off = rf.body_layout(0, len(meta), n)
-        total = rf.align_up(payload_off + nbytes)
+        if not 1 <= len(sections) <= rf.MAX_SECTIONS:
+            raise ValueError(f"a record holds 1..{rf.MAX_SECTIONS} sections")
+        k = len(sections)
+        nbytes = []
+        for sec in sections:  # (tensor, dtype code, width, slice, full dim[, anything the caller keeps])
+            dtype, width = sec[1], sec[2]
+            itemsize = _ITEMSIZE.get(dtype) or rf.storage_dtype(dtype).itemsize  # the latter raises on a bad code
+            nbytes.append(n * width * itemsize)
+        _, slots_off, pos_off, ids_off, payload_off = rf.body_layout(0, len(meta), n, k)
+        offsets, total = rf.section_offsets(payload_off, nbytes)
         rank16 = rf.ENGINE_RANK_U16 if self.rank == rf.ENGINE_RANK else self.rank
-        sl = slice_ if slice_ is not None else (0, width)
+        tensor, dtype, width, sl, full_dim = sections[0][:5]
         head = rf.RECORD_HEADER.pack(
             rf.RECORD_MAGIC, total, rf.RecordKind.DATA, tensor.kind, dtype, 0, tensor.layer, rank16, n, n_requests,
-            0, 0, len(meta), 0, sl[0], sl[1], full_dim if full_dim is not None else width, payload_off)
+            0, k if k > 1 else 0, len(meta), 0, sl[0], sl[1], full_dim, payload_off)
         prefix = head.ljust(rf.RECORD_HEADER_SIZE, b"\0") + meta
         prefix = prefix.ljust(slots_off, b"\0")
+        sec_off = pos_off + 4 * n
+        sec_table = b"".join(rf.SECTION.pack(sec[0].kind, sec[1], sec[0].layer, 0, *sec[3], sec[4], o)
+                             for sec, o in zip(sections, offsets)) if k > 1 else b""
         if len(self._prepared) >= _MAX_PREPARED:  # batches come and go: keep the recent ones
             self._prepared.clear()
-        prep = self._prepared[key] = (prefix, slots_off, ids_off, payload_off, nbytes, total)
+        prep = self._prepared[key] = (prefix, slots_off, ids_off, sec_table, sec_off, offsets, nbytes, total)
         return prep
 
     def _drop(self, table: RequestTable, slots: np.ndarray, positions: np.ndarray, tensor: TensorId, total: int) -> None:
@@ -757,8 +792,9 @@ class RingReader:
                 head, rf.IDENT_OFFSET)
             if magic != rf.RING_MAGIC:
                 raise RingFormatError(f"{path}: not a vllm-tap ring (bad magic)")
-            if version != rf.RING_FORMAT_VERSION:
-                raise RingFormatError(f"{path}: ring format v{version}, this reader reads v{rf.RING_FORMAT_VERSION}")
+            if version not in rf.READABLE_VERSIONS:
+                raise RingFormatError(f"{path}: ring format v{version}, this reader reads "
+                                      f"v{', v'.join(map(str, rf.READABLE_VERSIONS))}")
             if (header_size != rf.HEADER_SIZE or capacity % rf.ALIGN or not 4 * rf.ALIGN <= capacity <= MAX_CAPACITY
                     or st.st_size != header_size + capacity):
                 raise RingFormatError(f"{path}: inconsistent header (size {st.st_size}, capacity {capacity})")
@@ -973,16 +1009,21 @@ class RingReader:
 
     def _read_direct(self, at: int, h: "ring_schema.Header", have: np.ndarray) -> list[RingRecord]:
         """A large DATA record: its header, table and row arrays from `have` (what was read of it)
-        or a read of their own, its payload straight into one array per request (one copy, not two)."""
+        or a read of their own, each section's payload straight into one array per request (one
+        copy, not two)."""
         prefix_len = ring_schema.data_layout(h)[4]
         if len(have) >= prefix_len:
             prefix = have[:prefix_len]
         else:
             prefix = np.empty(prefix_len, np.uint8)
             self._pread_into(prefix, rf.HEADER_SIZE + at)
-        plan = ring_schema.plan_data(prefix, h, ring=self.name, epoch=self.epoch, table_cache=self._table_cache)
-        if plan is None:
-            return []
+        out: list[RingRecord] = []
+        for plan in ring_schema.plan_data(prefix, h, ring=self.name, epoch=self.epoch, table_cache=self._table_cache):
+            out.extend(self._read_plan(at, plan))
+        return out
+
+    def _read_plan(self, at: int, plan: "ring_schema.DataPlan") -> list[RingRecord]:
+        h = plan.h
         off = rf.HEADER_SIZE + at + plan.payload_offset
         if plan.contiguous:
             # Each request's rows straight into their final place: a private array, or the sink's

@@ -13,10 +13,13 @@ import struct
 
 import numpy as np
 
-RING_FORMAT_VERSION = 4  # 2: DATA records carry rows of several requests (a request table)
+RING_FORMAT_VERSION = 5  # 2: DATA records carry rows of several requests (a request table)
 # 3: request table entries also carry the capture's first expected position, tail length and source
 # 4: the reader's waiting flag (READER_WAITING_OFFSET): writers ring the doorbell only while it is set;
 #    LOGSUMEXP records beside top-k and chosen-index records
+# 5: a DATA record may carry several tensors of the same rows (sections, see body_layout): a step's
+#    states, or its logits parts, in one record. A record of one section is laid out as in 4.
+READABLE_VERSIONS = (4, 5)  # the reader reads 4 as 5's one-section records
 RING_MAGIC = b"VLLMTAP\x00"
 RING_SUFFIX = ".ring"
 
@@ -154,7 +157,7 @@ RECORD_HEADER = struct.Struct(
     "hH"  # layer, rank (u16; 0xFFFF = engine)
     "I"  # n_rows (DATA; 0 for control records)
     "I"  # n_requests in the request table (DATA)
-    "HH"  # key_len (control records), pad
+    "HH"  # key_len (control records), n_sections (DATA; 0 or 1: the header's tensor is the only one)
     "I"  # meta_len: msgpack meta (control) or the request table (DATA)
     "Q"  # step
     "III"  # slice_start, slice_stop, full_dim
@@ -199,13 +202,47 @@ def align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-def body_layout(key_len: int, meta_len: int, n_rows: int) -> tuple[int, int, int, int, int]:
-    """Offsets (from record start) of meta, slots, positions, token_ids and payload; the key is at 64.
+# A DATA record of several sections (n_sections > 1 in the header) lists them after the positions,
+# one SECTION entry each, in payload order; the header's tensor fields repeat section 0's:
+#
+#   header (64) | key | request table | pad to 8 | slots [n] | positions [n] | section table
+#   | token ids [n] | pad to 64 | payload 0 [n, w0] | pad to 64 | payload 1 [n, w1] | ...
+#
+# Everything before the token ids is written by the host when the record is reserved; the ids and
+# payloads may come from the accelerator, as one block in one device-to-host copy.
+SECTION = struct.Struct(
+    "<BBxx"  # tensor, dtype
+    "hH"  # layer, pad
+    "III"  # slice_start, slice_stop, full_dim
+    "I"  # payload_offset from record start
+    "8x"
+)
+MAX_SECTIONS = 64
+
+
+def section_bytes(n_sections: int) -> int:
+    """Bytes of the section table (none for a record of one section)."""
+    return SECTION.size * n_sections if n_sections > 1 else 0
+
+
+def body_layout(key_len: int, meta_len: int, n_rows: int, n_sections: int = 1) -> tuple[int, int, int, int, int]:
+    """Offsets (from record start) of meta, slots, positions, token_ids and payload (of section 0);
+    the key is at 64, the section table (if any) right after the positions.
 
     slots, positions and token ids are int32 [n_rows] each."""
     meta_off = RECORD_HEADER_SIZE + key_len
     slots_off = align_up(meta_off + meta_len, 8)
     pos_off = slots_off + 4 * n_rows
-    ids_off = pos_off + 4 * n_rows
+    ids_off = pos_off + 4 * n_rows + section_bytes(n_sections)
     payload_off = align_up(ids_off + 4 * n_rows, ALIGN)
     return meta_off, slots_off, pos_off, ids_off, payload_off
+
+
+def section_offsets(payload_off: int, nbytes: "list[int]") -> tuple[list[int], int]:
+    """Each section's payload offset, given section 0's and every section's byte size, and the
+    record's total length."""
+    offs, at = [], payload_off
+    for nb in nbytes:
+        offs.append(at)
+        at = align_up(at + nb)
+    return offs, at

@@ -193,16 +193,17 @@ class Header(NamedTuple):
     slice_stop: int
     full_dim: int
     payload_offset: int
+    n_sections: int = 0  # DATA: 0 or 1 for one section (the header's tensor), else the section table's
 
 
 def parse_header(buf: memoryview | bytes | np.ndarray, at: int = 0) -> Header:
-    (magic, total, kind, tensor, dtype, _flags, layer, rank16, n, n_requests, key_len, _pad, meta_len, step,
+    (magic, total, kind, tensor, dtype, _flags, layer, rank16, n, n_requests, key_len, n_sections, meta_len, step,
      s0, s1, full_dim, payload_off) = rf.RECORD_HEADER.unpack_from(buf, at)
     if magic != rf.RECORD_MAGIC:
         raise Rejected(f"bad record magic {magic!r}")
     rank = rf.ENGINE_RANK if rank16 == rf.ENGINE_RANK_U16 else rank16
     return Header(total, kind, tensor, dtype, layer, rank, n, n_requests, key_len, meta_len, step, s0, s1, full_dim,
-                  payload_off)
+                  payload_off, n_sections)
 
 
 _TENSOR_IDS: dict[tuple[int, int], TensorId] = {}
@@ -457,27 +458,33 @@ class DataPlan:
         return out
 
 
+def _check_tensor(tensor: int, dtype: int, layer: int, s0: int, s1: int, full_dim: int) -> None:
+    if tensor not in _TENSOR_KINDS:
+        raise Rejected(f"unknown tensor kind {tensor}")
+    if dtype not in _ITEMSIZE:
+        raise Rejected(f"unknown dtype code {dtype}")
+    if not 0 <= s0 < s1 <= full_dim <= MAX_FULL_DIM:
+        raise Rejected(f"slice [{s0}, {s1}) of {full_dim}")
+    if tensor == rf.TensorKind.HIDDEN and not 0 <= layer <= MAX_LAYER:
+        raise Rejected(f"hidden layer {layer}")
+
+
 def data_layout(h: Header) -> tuple[int, int, int, int, int]:
     """Check a DATA header against itself and its record length; the body offsets (ring_format.body_layout)."""
     n = h.n_rows
-    if h.tensor not in _TENSOR_KINDS:
-        raise Rejected(f"unknown tensor kind {h.tensor}")
-    if h.dtype not in _ITEMSIZE:
-        raise Rejected(f"unknown dtype code {h.dtype}")
+    _check_tensor(h.tensor, h.dtype, h.layer, h.slice_start, h.slice_stop, h.full_dim)
     if not 1 <= h.n_requests <= rf.MAX_REQUESTS_PER_RECORD:
         raise Rejected(f"{h.n_requests} requests in one record (1..{rf.MAX_REQUESTS_PER_RECORD})")
     if h.meta_len > MAX_TABLE_BYTES:
         raise Rejected(f"request table of {h.meta_len} bytes")
     if h.key_len:
         raise Rejected("a DATA record with a key section")
-    if not 0 <= h.slice_start < h.slice_stop <= h.full_dim <= MAX_FULL_DIM:
-        raise Rejected(f"slice [{h.slice_start}, {h.slice_stop}) of {h.full_dim}")
-    if h.tensor == rf.TensorKind.HIDDEN and not 0 <= h.layer <= MAX_LAYER:
-        raise Rejected(f"hidden layer {h.layer}")
+    if h.n_sections > rf.MAX_SECTIONS:
+        raise Rejected(f"{h.n_sections} sections in one record (at most {rf.MAX_SECTIONS})")
     # Sizes from the header, checked against the record before any array is made from them.
     if n > h.total // 12:
         raise Rejected(f"{n} rows cannot fit a record of {h.total} bytes")
-    layout = rf.body_layout(0, h.meta_len, n)
+    layout = rf.body_layout(0, h.meta_len, n, max(h.n_sections, 1))
     payload_off = layout[4]
     width = h.slice_stop - h.slice_start
     itemsize = _ITEMSIZE[h.dtype]
@@ -487,21 +494,49 @@ def data_layout(h: Header) -> tuple[int, int, int, int, int]:
     return layout
 
 
+def sections(mv: memoryview, h: Header, layout: tuple[int, int, int, int, int]) -> list[Header]:
+    """Each section of a DATA record as a header of its own (its tensor fields and payload offset).
+    Checked: kinds, dtypes, slices, and that the payloads lie where the layout puts them, inside the
+    record. Raises Rejected."""
+    if h.n_sections <= 1:
+        return [h]
+    n = h.n_rows
+    at = layout[2] + 4 * n
+    if len(mv) < at + rf.section_bytes(h.n_sections):
+        raise Rejected("record shorter than its section table")
+    entries = [rf.SECTION.unpack_from(mv, at + rf.SECTION.size * i) for i in range(h.n_sections)]
+    for tensor, dtype, layer, _pad, s0, s1, full_dim, _off in entries:
+        _check_tensor(tensor, dtype, layer, s0, s1, full_dim)
+    if entries[0][:3] + entries[0][4:7] != (h.tensor, h.dtype, h.layer, h.slice_start, h.slice_stop, h.full_dim):
+        raise Rejected("section 0 differs from the record header")
+    if len({(e[0], e[2] if e[0] == rf.TensorKind.HIDDEN else -1) for e in entries}) != len(entries):
+        raise Rejected("a tensor twice in one record")
+    offsets, end = rf.section_offsets(layout[4], [n * (e[5] - e[4]) * _ITEMSIZE[e[1]] for e in entries])
+    if [e[7] for e in entries] != offsets or end > h.total:
+        raise Rejected(f"section payloads at {[e[7] for e in entries][:4]} (expected {offsets[:4]}) overrun "
+                       f"or misplace the record ({h.total} bytes)")
+    return [h._replace(tensor=e[0], dtype=e[1], layer=e[2], slice_start=e[4], slice_stop=e[5], full_dim=e[6],
+                       payload_offset=e[7]) for e in entries]
+
+
 def plan_data(prefix: memoryview | bytes | np.ndarray, h: Header, *, ring: str = "", epoch: int = 0,
-              table_cache: TableCache | None = None) -> DataPlan | None:
-    """Check what precedes the payload of a DATA record (`prefix`: at least its first payload_offset
-    bytes); None for a record without rows. Raises Rejected."""
+              table_cache: TableCache | None = None) -> list[DataPlan]:
+    """Check what precedes the payloads of a DATA record (`prefix`: at least its first
+    payload_offset bytes): one plan per section to read (none for a record without rows).
+    Raises Rejected."""
     mv = memoryview(prefix).cast("B") if not isinstance(prefix, np.ndarray) else memoryview(prefix)
-    meta_off, slots_off, pos_off, ids_off, payload_off = data_layout(h)
+    layout = data_layout(h)
+    meta_off, slots_off, pos_off, ids_off, payload_off = layout
     if len(mv) < ids_off + 4 * h.n_rows:
         raise Rejected("record shorter than its header says")
     n = h.n_rows
     entries = _table(mv, meta_off, h, table_cache)
+    heads = sections(mv, h, layout)
     if n == 0:
-        return None
+        return []
     base = np.frombuffer(mv, np.uint8)
     slots = base[slots_off:pos_off].view("<i4")
-    positions = base[pos_off:ids_off].view("<i4")
+    positions = base[pos_off : pos_off + 4 * n].view("<i4")
     token_ids = base[ids_off : ids_off + 4 * n].view("<i4")
     if n == 1:  # one row (a decode step of one request): scalar checks, no reductions
         bad_slot = not 0 <= int(slots[0]) < h.n_requests
@@ -524,19 +559,20 @@ def plan_data(prefix: memoryview | bytes | np.ndarray, h: Header, *, ring: str =
         bounds = (np.flatnonzero(np.diff(sorted_slots)) + 1).tolist()
         groups = [(int(sorted_slots[a]), slice(a, b) if order is None else order[a:b])
                   for a, b in zip([0, *bounds], [*bounds, n])]
-    return DataPlan(h, entries, positions, token_ids, groups, rf.storage_dtype(h.dtype),
-                    h.slice_stop - h.slice_start, payload_off, ring, epoch)
+    return [DataPlan(sh, entries, positions, token_ids, groups, rf.storage_dtype(sh.dtype),
+                     sh.slice_stop - sh.slice_start, sh.payload_offset, ring, epoch)
+            for sh in heads]
 
 
 def _decode_data(mv: memoryview, h: Header, ring: str, epoch: int, cache: TableCache | None,
                  sink: Sink | None = None) -> list[RingRecord]:
-    plan = plan_data(mv, h, ring=ring, epoch=epoch, table_cache=cache)
-    if plan is None:
-        return []
     base = np.frombuffer(mv, np.uint8)
-    off = plan.payload_offset
-    payload = base[off : off + plan.payload_nbytes].view(plan.dtype).reshape(h.n_rows, plan.width)
-    return plan.records(payload=payload, sink=sink)
+    out: list[RingRecord] = []
+    for plan in plan_data(mv, h, ring=ring, epoch=epoch, table_cache=cache):
+        off = plan.payload_offset
+        payload = base[off : off + plan.payload_nbytes].view(plan.dtype).reshape(h.n_rows, plan.width)
+        out.extend(plan.records(payload=payload, sink=sink))
+    return out
 
 
 # -- building records in memory (tests, tools): the same decoder, so the same checks --

@@ -65,7 +65,9 @@ def _sigterm_to_exit(signum, frame) -> None:
 @click.option("--repeats", type=click.IntRange(min=1), default=None, help="Repeats of every part (default per part).")
 @click.option("--latest/--no-latest", default=None, help="Also write tools/bench/LATEST.md (default: for a full `all`).")
 # serving
-@click.option("--model", "preset", type=click.Choice(("default", "small")), default="default", show_default=True,
+@click.option("--gpu", is_flag=True, help="Serving on one GPU: the 'gpu' preset (a ~1.1 B bf16 Llama, compiled, configs "
+              "a b o t h l e, servers started together).")
+@click.option("--model", "preset", type=click.Choice(("default", "small", "gpu")), default="default", show_default=True,
               help="Serving preset: 'default' (8 x 1024, vocabularies 32000 and 128256, configs a-f) or 'small' "
                    "(8 x 512, vocabulary 32000, configs a b t h l e, 7 repeats; per-process CPU per request). "
                    "For `hook`: 'small' times the decode steps of those configurations against 30 us + memcpy.")
@@ -157,7 +159,7 @@ def bench(what: str, out: str, into: str | None, quick: bool, repeats: int | Non
         else:
             from vllm_tap.tools.bench import serving
 
-            p = serving.ServingParams.preset_params(opt["preset"], quick)
+            p = serving.ServingParams.preset_params("gpu" if opt["gpu"] else opt["preset"], quick)
             if repeats:
                 p.repeats = repeats
             m = p.model

@@ -14,10 +14,17 @@ Configurations (one request set, streamed, `ignore_eos` so every request makes e
   h  2 layers at every prompt and output position, no logits, drained
   l  full logits at the output positions, no layers, drained
 
+  o  plugin enabled with no hidden-state layers exposed, no request opts in: (b) against (o) is what
+     the auxiliary hidden-state outputs of the exposed layers cost the forward
+
 Presets (`--model`): `default` (8 layers x 1024 hidden, vocabularies 32000 and 128256, configs
-a-f, 3 repeats: what the tap costs at scale) and `small` (8 layers x 512 hidden, vocabulary 32000,
+a-f, 3 repeats: what the tap costs at scale), `small` (8 layers x 512 hidden, vocabulary 32000,
 configs a b t h l e, 7 repeats: a model small enough that the tap's fixed costs per step, per
-request and per record show, issue 16).
+request and per record show) and `gpu` (`--gpu`: a ~1.1 B bf16 Llama, vocabulary 128256, hidden
+2048, 12 layers, compiled with CUDA graphs, configs a b o t h l e, 64 requests x (256 + 128) at
+concurrency 32). On a GPU every server is started at once (they share the card; each is measured
+alone), and the worker's own count of the hook's host time per capturing step (hooks/cost.py,
+logged every few seconds during the bench) is collected from each tap server's log.
 
 Servers: one with the plugin off (a, d, e) and one with it on (b, c); both get the same flags
 otherwise (`--max-logprobs -1 --logprobs-mode raw_logits`, which change nothing for requests that
@@ -65,9 +72,11 @@ CONFIGS: dict[str, str] = {
     "t": "top-20 logits, output positions, drained",
     "h": "2 layers, every position, drained",
     "l": "full logits, output positions, drained",
+    "o": "plugin enabled, no layers exposed, no request opts in",
 }
 SERVER_OF = {"a": "plain", "b": "tap", "c": "tap", "d": "plain", "e": "plain", "f": "tap", "t": "tap", "h": "tap",
-             "l": "tap"}
+             "l": "tap", "o": "tap-no-layers"}
+SERVER_KINDS = ("plain", "tap", "tap-no-layers")
 CAPTURING = ("c", "f", "t", "h", "l")
 # What each capturing configuration asks for: logits mode, whether it takes the bench's layers,
 # and which positions.
@@ -78,7 +87,7 @@ TAP_SPECS: dict[str, dict[str, Any]] = {
     "h": {"logits": "none", "layers": True, "positions": "all"},
     "l": {"logits": "full", "layers": False, "positions": "output"},
 }
-PRESETS = ("default", "small")
+PRESETS = ("default", "small", "gpu")
 INSTANCE = "bench"
 TARGET_TPUT = 0.99  # (b), (c) output tok/s >= 0.99 x (a)
 TARGET_ITL_P99 = 1.02  # (b), (c) ITL p99 <= 1.02 x (a)
@@ -133,6 +142,8 @@ class ServingParams:
     topk: int = 20  # k of (t)
     warmup_rounds: int = 0  # unmeasured rounds of every configuration before the measured repeats
     preset: str = "default"
+    device: str = "cpu"  # "cuda": bf16, compiled with CUDA graphs, servers started together
+    gpu_memory_utilization: float = 0.25  # per server on a GPU (three share one card)
     models_dir: str = field(default_factory=lambda: os.environ.get("VLLM_TAP_BENCH_MODELS", "/tmp/vllm-tap-bench-models"))
 
     @classmethod
@@ -162,9 +173,27 @@ class ServingParams:
         return p
 
     @classmethod
+    def gpu(cls) -> "ServingParams":
+        """One GPU: the ~1.1 B Llama the first GPU run measured, vLLM's defaults (compiled, CUDA graphs,
+        async scheduling, whichever model runner it picks), bf16."""
+        return cls(model=ModelSpec(vocab_size=128256, hidden_size=2048, num_layers=12, num_heads=16, num_kv_heads=8,
+                                   intermediate_size=5632),
+                   vocab_sizes=[128256], configs=list("abothle"), extra_point_configs=[], num_requests=64,
+                   prompt_len=256, output_len=128, concurrency=32, repeats=3, tap_layers=[4, 8], preset="gpu",
+                   warmup_rounds=1, ring_mb=1024, max_model_len=1024, device="cuda", server_timeout_s=900.0)
+
+    @classmethod
+    def gpu_quick(cls) -> "ServingParams":
+        p = cls.gpu()
+        p.num_requests, p.repeats, p.warmup_rounds = 32, 1, 0
+        return p
+
+    @classmethod
     def preset_params(cls, name: str, quick: bool) -> "ServingParams":
         if name == "small":
             return cls.small_quick() if quick else cls.small()
+        if name == "gpu":
+            return cls.gpu_quick() if quick else cls.gpu()
         return cls.quick() if quick else cls()
 
     def ring_bytes_for(self, vocab: int) -> int:
@@ -416,37 +445,63 @@ def _logprob_flags() -> list[str]:
     return ["--max-logprobs", "-1", "--logprobs-mode", "raw_logits"]
 
 
-def _start_server(kind: str, model_path: str, p: ServingParams, vocab: int, workdir: str, shm: str, sock: str,
-                  started: list[Any], echo) -> _Server:
-    """Start one server (and, for the tap, its daemon). Every process is put on `started` before it
-    is waited for, so the caller stops it whatever happens (an error, a timeout, SIGTERM)."""
-    from vllm_tap.tools.launch import DaemonHandle, ServerHandle, cpu_server_args, free_port, tap_server_args
+COST_LOG_EVERY_S = 5  # the worker's hook-cost line during a bench (hooks/cost.py; 60 s by default)
 
-    args = cpu_server_args(eager=True, max_model_len=p.max_model_len) + _logprob_flags()
-    daemon = None
-    endpoint = ""
-    if kind == "tap":
+
+def _server_args(kind: str, p: ServingParams, vocab: int, shm: str) -> list[str]:
+    from vllm_tap.tools.launch import cpu_server_args, gpu_server_args, tap_server_args
+
+    if p.device == "cuda":
+        args = gpu_server_args(max_model_len=p.max_model_len, gpu_memory_utilization=p.gpu_memory_utilization)
+    else:
+        args = cpu_server_args(eager=True, max_model_len=p.max_model_len)
+    args += _logprob_flags()
+    if kind != "plain":
+        layers = list(p.tap_layers) if kind == "tap" else "none"
+        args += tap_server_args(shm, f"{INSTANCE}-{kind}", layers=layers, ring_bytes=p.ring_bytes_for(vocab))
+    return args
+
+
+def _start_servers(kinds: list[str], model_path: str, p: ServingParams, vocab: int, workdir: str, shm: str, sock: str,
+                   started: list[Any], echo) -> dict[str, _Server]:
+    """Start the servers (and, for the tap, one daemon they share). Every process is put on `started`
+    before it is waited for, so the caller stops it whatever happens (an error, a timeout, SIGTERM).
+    On a CPU machine one after the other (vLLM's CPU worker binds cores); on a GPU all at once, since
+    a compiled start takes minutes and they share the card."""
+    from vllm_tap.tools.launch import DaemonHandle, ServerHandle, free_port
+
+    daemon, endpoint = None, ""
+    if any(k != "plain" for k in kinds):
         endpoint = f"ipc://{sock}/tap.sock"
         daemon = DaemonHandle(shm, endpoint, os.path.join(workdir, "daemon.log"))
         started.append(daemon)
         daemon.start(extra=["--log-level", "WARNING"])
-        args += tap_server_args(shm, INSTANCE, layers=list(p.tap_layers), ring_bytes=p.ring_bytes_for(vocab))
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(p.kv_cache_gib)}
-    last: Exception | None = None
-    for attempt in range(3):  # free_port can race with other processes on a shared machine
-        handle = ServerHandle(model_path, free_port(), os.path.join(workdir, f"server-{kind}.log"), args, env)
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(p.kv_cache_gib), "VLLM_TAP_COST_LOG_S": str(COST_LOG_EVERY_S)}
+    together = p.device == "cuda"
+    servers: dict[str, _Server] = {}
+    pending: list[tuple[str, Any, float]] = []
+    for kind in kinds:
+        handle = ServerHandle(model_path, free_port(), os.path.join(workdir, f"server-{kind}.log"),
+                              _server_args(kind, p, vocab, shm), env)
         started.append(handle)
-        t = time.monotonic()
-        try:
-            handle.start(timeout=p.server_timeout_s)
-            echo(f"  server {kind} up in {time.monotonic() - t:.0f} s (pid {handle.proc.pid})")
-            return _Server(kind, handle, daemon, endpoint)
-        except RuntimeError as e:
-            handle.stop()
-            last = e
-            if "Address already in use" not in str(e):
-                break
-    raise RuntimeError(f"could not start the {kind} server: {last}")
+        pending.append((kind, handle, time.monotonic()))
+        handle.spawn()
+        if not together:
+            handle.wait_healthy(p.server_timeout_s)
+    for kind, handle, t in pending:
+        handle.wait_healthy(p.server_timeout_s)
+        echo(f"  server {kind} up in {time.monotonic() - t:.0f} s (pid {handle.proc.pid})")
+        servers[kind] = _Server(kind, handle, daemon if kind != "plain" else None, endpoint if kind != "plain" else "")
+    return servers
+
+
+def hook_cost_lines(log_path: str) -> list[str]:
+    """The worker's hook-cost lines (hooks/cost.py) in a server's log."""
+    try:
+        with open(log_path, errors="replace") as f:
+            return [line.strip() for line in f if "hook host time" in line]
+    except OSError:
+        return []
 
 
 # -- one run --
@@ -649,7 +704,7 @@ def _warmup(server: _Server, model_path: str, p: ServingParams, vocab: int, echo
 
 def run_point(p: ServingParams, vocab: int, configs: list[str], workdir: str, echo=print) -> dict[str, Any]:
     model_path, spec = _model_path(p, vocab)
-    kinds = [k for k in ("plain", "tap") if any(SERVER_OF[c] == k for c in configs)]
+    kinds = [k for k in SERVER_KINDS if any(SERVER_OF[c] == k for c in configs)]
     shm = tempfile.mkdtemp(prefix="vllm-tap-bench-srv-", dir="/dev/shm")
     sock = tempfile.mkdtemp(prefix="vtb-")
     servers: dict[str, _Server] = {}
@@ -658,8 +713,8 @@ def run_point(p: ServingParams, vocab: int, configs: list[str], workdir: str, ec
     t_start = time.time()
     load0 = loadavg()
     try:
+        servers.update(_start_servers(kinds, model_path, p, vocab, workdir, shm, sock, started, echo))
         for kind in kinds:
-            servers[kind] = _start_server(kind, model_path, p, vocab, workdir, shm, sock, started, echo)
             _warmup(servers[kind], model_path, p, vocab, echo, configs=configs)
         for r in range(-p.warmup_rounds, p.repeats):
             order = configs[r % len(configs):] + configs[: r % len(configs)]
@@ -704,8 +759,9 @@ def run_point(p: ServingParams, vocab: int, configs: list[str], workdir: str, ec
                 log.exception("stopping %s", h)
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(sock, ignore_errors=True)
+    hook_cost = {k: hook_cost_lines(os.path.join(workdir, f"server-{k}.log")) for k in kinds if k != "plain"}
     return {"vocab": vocab, "model": asdict(spec), "model_params": spec.params(), "model_path": model_path,
-            "configs": configs, "runs": runs, "summary": summarise(runs, configs, p.repeats),
+            "configs": configs, "runs": runs, "summary": summarise(runs, configs, p.repeats), "hook_cost_log": hook_cost,
             "loadavg_start": load0, "loadavg_end": loadavg(), "seconds": time.time() - t_start}
 
 
