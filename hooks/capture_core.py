@@ -437,7 +437,8 @@ class CaptureCore:
         self.device = torch.device(device)
         # Row indices for gathers on the device, uploaded once per distinct batch layout.
         self.to_device = DeviceIndices(self.device) if self.device.type != "cpu" else torch.from_numpy
-        self.cost = StepCost(drops=self.records_dropped)
+        self.cost = StepCost(drops=self.records_dropped,
+                             thread=lambda: (getattr(publisher, "thread_ns", 0), getattr(publisher, "thread_wakes", 0)))
         self.tp_rank, self.tp_size = place.tp_rank, place.tp_size
         self.is_last_stage = place.is_last_stage
         self.layers = place.layers
@@ -583,6 +584,9 @@ class CaptureCore:
         row_of = view.row_of
         if row_of is None:
             row_of = dict(zip(view.req_ids, range(len(view.req_ids))))
+        many = getattr(row_of, "many", None)
+        if many is not None:
+            return many(self._rids)
         return [row_of.get(rid) for rid in self._rids]
 
     def _decode_step(self, view: StepView, rows: list) -> "CaptureStep | bool | None":

@@ -28,9 +28,12 @@ _BUCKETS = 40  # 2**40 ns: any step
 class StepCost:
     """Host nanoseconds of the tap's work per capturing step, bucketed by powers of two."""
 
-    def __init__(self, every_s: float = LOG_EVERY_S, drops=None):
+    def __init__(self, every_s: float = LOG_EVERY_S, drops=None, thread=None):
         self.every_s = every_s
         self.drops = drops  # callable: records dropped so far (counted by the publisher and ring)
+        # callable: (ns, wakes) the publisher thread spent holding the GIL handling steps, so far
+        self.thread = thread
+        self._thread_before = (0, 0)
         self.steps = 0
         self.total_ns = 0
         self.max_ns = 0
@@ -73,9 +76,13 @@ class StepCost:
         self._next = time.monotonic() + self.every_s
         s = self.summary()
         drops = self.drops() if self.drops is not None else 0
+        ns, wakes = self.thread() if self.thread is not None else (0, 0)
+        d_ns, d_wakes = ns - self._thread_before[0], wakes - self._thread_before[1]
         log.info("vllm-tap: %d capturing steps, hook host time mean %.1f us, p50 <= %.0f us, p99 <= %.0f us, "
-                 "max %.0f us; %d records dropped since the last report",
-                 s["steps"], s["mean_us"], s["p50_us"], s["p99_us"], s["max_us"], drops - self._drops_before)
+                 "max %.0f us; publisher thread %.1f us per step in %d wakes; %d records dropped since the last report",
+                 s["steps"], s["mean_us"], s["p50_us"], s["p99_us"], s["max_us"],
+                 d_ns / 1e3 / max(s["steps"], 1), d_wakes, drops - self._drops_before)
         self._drops_before = drops
+        self._thread_before = (ns, wakes)
         self.steps = self.total_ns = self.max_ns = 0
         self.buckets = [0] * _BUCKETS

@@ -39,6 +39,7 @@ import collections
 import logging
 import queue
 import threading
+import time
 from typing import Sequence
 
 import numpy as np
@@ -237,8 +238,9 @@ class HostBackend:
     def copy_after_compute(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
         return self._Copies(pairs)
 
-    def wait(self, done) -> None:
-        done.run()
+    def wait_all(self, dones: list) -> None:
+        for done in dones:
+            done.run()
 
     def recycle(self, done) -> None:
         pass
@@ -307,8 +309,9 @@ class CudaBackend:
         done.record(s)
         return ready, done
 
-    def wait(self, done) -> None:
-        done[1].synchronize()
+    def wait_all(self, dones: list) -> None:
+        # One copy stream: its copies complete in the order they were queued.
+        dones[-1][1].synchronize()
 
     def recycle(self, done) -> None:
         """Both events of a step whose copies have completed go back to the pool."""
@@ -327,6 +330,10 @@ class StagedPublisher(Publisher):
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.staging_drops = 0  # records dropped because the staging buffer was full
         self._queued_mark = 0  # staging cursor at the end of the last step handed to the thread
+        self._mark = 0  # the thread's: staging cursor of the last step it committed
+        # The thread's own CPU time handling steps (GIL held), and how often it woke for them.
+        self.thread_ns = 0
+        self.thread_wakes = 0
         backend.register(self._ring.ring)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="vllm-tap-publisher", daemon=True)
@@ -403,24 +410,51 @@ class StagedPublisher(Publisher):
             self.backend.thread_init()
         except Exception:
             log.exception("vllm-tap: publisher thread could not set its device")
+        q = self._q
         while True:
-            item = self._q.get()
-            if item is None:
-                return
-            done, reservations, starts, mark, abandon = item
-            try:
+            # Every step queued by now, handled together: under load the thread wakes (and takes
+            # the GIL) once per batch of steps, not once per step.
+            items = [q.get()]
+            while True:
+                try:
+                    items.append(q.get_nowait())
+                except queue.Empty:
+                    break
+            stop = None in items
+            if stop:
+                items = items[: items.index(None)]
+            copies = [it[0] for it in items if it[0] is not None and type(it[0]) is not _Signal]
+            failed = False
+            if copies:
+                try:
+                    self.backend.wait_all(copies)  # releases the GIL while it waits
+                except Exception:
+                    log.exception("vllm-tap: a step's device-to-host copy failed; its records are dropped")
+                    failed = True
+            t0 = time.thread_time_ns()
+            ready: list = []
+            for done, reservations, starts, mark, abandon in items:
                 if type(done) is _Signal:
+                    self._commit(ready, mark)
+                    ready = []
                     done.run()
-                elif done is not None:
-                    self.backend.wait(done)
-                    self.backend.recycle(done)
-            except Exception:
-                log.exception("vllm-tap: a step's device-to-host copy failed; its records are dropped")
-                abandon = True
-            if abandon:
-                _pad_out(self.writer, starts)
+                    continue
+                if abandon or (failed and done is not None):
+                    _pad_out(self.writer, starts)
+                ready.extend(reservations)
+                self._mark = mark
+            self._commit(ready, self._mark)
+            for done in copies:
+                self.backend.recycle(done)
+            self.thread_ns += time.thread_time_ns() - t0
+            self.thread_wakes += 1
+            if stop:
+                return
+
+    def _commit(self, reservations: list, mark: int) -> None:
+        if reservations:
             self.writer.commit_many(reservations)
-            self.staging.free_to(mark)
+        self.staging.free_to(mark)
 
     def drain(self, timeout: float = 5.0) -> None:
         """Wait until every queued step is committed (tests, shutdown)."""

@@ -54,19 +54,34 @@ class SlotRows:
         self._mapping = mapping
         self._inverse = None
 
-    def get(self, rid, default=None):
-        slot = self._slots.get(rid)
-        if slot is None:
-            return default
+    def _inv(self) -> np.ndarray:
         inv = self._inverse
         if inv is None:
             m = self._mapping
             inv = np.full(int(m.max()) + 1 if len(m) else 0, -1, np.int64)
             inv[m] = np.arange(len(m))
             self._inverse = inv
+        return inv
+
+    def get(self, rid, default=None):
+        slot = self._slots.get(rid)
+        if slot is None:
+            return default
+        inv = self._inv()
         if slot >= len(inv) or inv[slot] < 0:
             return default
         return int(inv[slot])
+
+    def many(self, rids) -> list:
+        """The batch row of each of `rids` (None: not in this step): one dict lookup each, the rest
+        one numpy pass."""
+        get = self._slots.get
+        slots = np.array([get(r, -1) for r in rids], np.int64)
+        inv = self._inv()
+        ok = (slots >= 0) & (slots < len(inv))
+        rows = np.full(len(slots), -1, np.int64)
+        rows[ok] = inv[slots[ok]]
+        return [None if r < 0 else r for r in rows.tolist()]
 
 
 def step_view(runner, state, *, aux=None, stage: bool = False) -> StepView:

@@ -483,9 +483,9 @@ def test_staged_publisher_commits_only_after_the_copy_and_drops_when_staging_is_
     gate = threading.Event()
 
     class SlowBackend(HostBackend):
-        def wait(self, done):
+        def wait_all(self, dones):
             gate.wait(10)  # the "DMA" finishes when the test says so
-            done.run()
+            super().wait_all(dones)
 
     # 4 decode rows x (vocab 50 + 2 x 32 hidden) x 4 bytes = 1824 bytes; staging of 4096: two steps fit.
     core = CaptureCore(writer, RankPlace(stage_layers=(LAYERS,)), StagedPublisher(writer, SlowBackend(), 4096),
@@ -517,9 +517,9 @@ def test_staged_copies_happen_after_the_step_returns(ring):
     gate = threading.Event()
 
     class SlowBackend(HostBackend):
-        def wait(self, done):
+        def wait_all(self, dones):
             gate.wait(10)
-            done.run()
+            super().wait_all(dones)
 
     core = CaptureCore(writer, RankPlace(stage_layers=(LAYERS,)), StagedPublisher(writer, SlowBackend(), 1 << 20),
                        model_dtype=torch.float32)
