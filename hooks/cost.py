@@ -21,7 +21,7 @@ log = logging.getLogger("vllm_tap.hooks")
 
 # Benchmarks ask for a shorter interval (VLLM_TAP_COST_LOG_S) to read the cost per run from the log.
 LOG_EVERY_S = float(os.environ.get("VLLM_TAP_COST_LOG_S", "60") or 60)
-CHECK_EVERY = 256  # steps between clock reads
+CHECK_EVERY = 64  # steps between clock reads
 _BUCKETS = 40  # 2**40 ns: any step
 
 

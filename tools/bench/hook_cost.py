@@ -240,6 +240,25 @@ def _measure_bandwidth(mc: _Memcpy, nbytes: int, reps: int = 9) -> tuple[float, 
     return nbytes / median(t for t, _ in times), nbytes / median(c for _, c in times)
 
 
+def _count_ops(cap, st: "_Step", consumer: "_Consumer") -> int:
+    """Torch ops the step thread issues in one more step of the scenario (each is host time on a
+    GPU, where a decode step lasts milliseconds)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        cap.capture(st.view)
+    consumer.drain()
+    st.advance()
+    return Ops.n
+
+
 def run(params: HookParams, echo=print) -> dict[str, Any]:
     import torch
 
@@ -300,6 +319,7 @@ def run(params: HookParams, echo=print) -> dict[str, Any]:
                             hook_cpu.append(cpu - model.cpu_seconds)
                             lm_s.append(model.seconds)
                             direct_s.append(mc.time_copy(src)[0])
+                    ops = _count_ops(cap, st, consumer)
                     dropped = cap.writer.stats()["records_dropped"]
                     trials.append({
                         "vocab": vocab, "scenario": st.sc.name, "repeat": r, "captured_bytes": st.captured_bytes,
@@ -309,6 +329,7 @@ def run(params: HookParams, echo=print) -> dict[str, Any]:
                         "memcpy_us": st.captured_bytes / bw * 1e6, "memcpy_cpu_us": st.captured_bytes / bw_cpu * 1e6,
                         "direct_memcpy_us": median(direct_s) * 1e6,
                         "bandwidth_gbps": bw / 1e9, "bandwidth_cpu_gbps": bw_cpu / 1e9, "dropped_records": dropped,
+                        "torch_ops": ops,
                     })
             echo(f"  hook r{r}: memcpy {bw / 1e9:.2f} GB/s; " + ", ".join(
                 f"{t['scenario']}@{t['vocab']} {t['hook_us']:.0f} us" for t in trials if t["repeat"] == r))
@@ -356,5 +377,6 @@ def summarise(trials: list[dict[str, Any]], params: HookParams) -> list[dict[str
                 "limit_us": limit, "met_wall": hook <= limit,
                 "limit_cpu_us": limit_cpu, "met": hook_cpu <= limit_cpu,
                 "dropped_records": max(t["dropped_records"] for t in ts),
+                "torch_ops": max(t.get("torch_ops", 0) for t in ts),
             })
     return rows

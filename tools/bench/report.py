@@ -363,12 +363,12 @@ def hook_md(hk: dict[str, Any]) -> list[str]:
            f"same run (torch copy of {p['memcpy_bytes'] >> 20} MiB into shared memory: "
            f"{min(bw):.1f} – {max(bw):.1f} GB/s by wall time). The extra lm-head pass a prefill capture asks for is "
            "model compute the user requested, shown separately and not counted as hook time.", "",
-           f"| vocab | scenario | captured | hook CPU µs | hook wall µs | memcpy µs | limit µs ({_limit_words(hk)}) | hook ÷ memcpy | target | extra lm-head µs |",
-           "|--:|---|--:|--:|--:|--:|--:|--:|---|--:|"]
+           f"| vocab | scenario | captured | torch ops | hook CPU µs | hook wall µs | memcpy µs | limit µs ({_limit_words(hk)}) | hook ÷ memcpy | target | extra lm-head µs |",
+           "|--:|---|--:|--:|--:|--:|--:|--:|--:|---|--:|"]
     for row in hk["summary"]:
         out.append(
             f"| {row['vocab']} | {row['scenario']} ({hk['scenarios'].get(row['scenario'], '')}) | {_bytes(row['captured_bytes'])} "
-            f"| {_f(row['hook_cpu_us'], '.0f')} | {_f(row['hook_us'], '.0f')} | {_f(row['memcpy_cpu_us'], '.0f')} "
+            f"| {row.get('torch_ops', '–')} | {_f(row['hook_cpu_us'], '.0f')} | {_f(row['hook_us'], '.0f')} | {_f(row['memcpy_cpu_us'], '.0f')} "
             f"| {_f(row['limit_cpu_us'], '.0f')} | {_f(row['hook_cpu_us'] / row['memcpy_cpu_us'] if row['memcpy_cpu_us'] else float('nan'), '.2f')} "
             f"| {_ok(row['met']) if row['captured_bytes'] else '–'} | {_f(row['lm_head_us'], '.0f') if row['extra_rows'] else '–'} |")
     out.append("")

@@ -197,7 +197,10 @@ class ServingParams:
         return cls.quick() if quick else cls()
 
     def ring_bytes_for(self, vocab: int) -> int:
-        """Room for two steps' worth of prefill captures of every concurrent request."""
+        """Room for two steps' worth of prefill captures of every concurrent request (on a GPU:
+        ring_mb, since that would be gigabytes of shared memory and a quarter of it on the card)."""
+        if self.device == "cuda":
+            return self.ring_mb << 20
         row = (vocab + self.model.hidden_size * len(self.tap_layers)) * 4
         need = 2 * self.concurrency * self.prompt_len * row
         return max(self.ring_mb << 20, -(-need // (64 << 20)) * (64 << 20))
