@@ -29,7 +29,8 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from project_layout import REPO, package_dirs, pyproject
+
 TESTS = os.path.join(REPO, "tests")
 # Parts of the standard library no code run as another account needs (the test suite alone is 120 MB).
 STDLIB_SKIP = {"site-packages", "dist-packages", "test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3"}
@@ -76,13 +77,6 @@ def _place_tree(src: str, dst: str, skip: set[str] = frozenset()) -> None:
                     symlinks=False, dirs_exist_ok=True)
 
 
-def _pyproject() -> dict:
-    import tomllib  # the suite runs on 3.11+ (daemon/config_load.py falls back to tomli for the product)
-
-    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
-        return tomllib.load(f)
-
-
 def _requirements_closure(names: list[str]) -> list[md.Distribution]:
     """The installed distributions `names` need at run time (no extras), with theirs, once each."""
     from packaging.requirements import Requirement
@@ -113,21 +107,10 @@ def _place_distribution(dist: md.Distribution, site: str) -> None:
 
 def _place_project(site: str) -> None:
     """The project's packages as a regular install lays them out (pyproject's packages + package-dir)."""
-    setup = _pyproject()["tool"]["setuptools"]
-    dirs = setup.get("package-dir", {})
-    for pkg in setup["packages"]:
-        parts = pkg.split(".")
-        # The nearest mapped ancestor gives the source directory (vllm_tap.tools.bench -> tools/bench).
-        for i in range(len(parts), 0, -1):
-            head = ".".join(parts[:i])
-            if head in dirs:
-                src = os.path.join(REPO, dirs[head], *parts[i:])
-                break
-        else:
-            src = os.path.join(REPO, *parts)
+    for pkg, src in package_dirs().items():
         for name in os.listdir(src):
             if name.endswith(".py"):
-                _place(os.path.join(src, name), os.path.join(site, *parts, name))
+                _place(os.path.join(src, name), os.path.join(site, *pkg.split("."), name))
     try:  # its metadata too (the version, the entry points), when it is installed
         dist = md.distribution("vllm-tap")
         meta = str(dist._path)  # type: ignore[attr-defined]
@@ -155,7 +138,7 @@ def build(parent: str | None = None) -> OtherUsersPython:
         so = sysconfig.get_config_var("INSTSONAME")
         _place(os.path.join(sysconfig.get_config_var("LIBDIR"), so), os.path.join(libdir, so))
     site = os.path.join(stdlib, "site-packages")
-    for dist in _requirements_closure(_pyproject()["project"]["dependencies"]):
+    for dist in _requirements_closure(pyproject()["project"]["dependencies"]):
         _place_distribution(dist, site)
     _place_project(site)
     for name in os.listdir(TESTS):

@@ -428,7 +428,7 @@ def test_bench_record_runs_and_reports(tmp_path) -> None:
 
 def test_dataset_side_imports_neither_torch_nor_vllm() -> None:
     code = ("import sys; import vllm_tap.client.record, vllm_tap.client.datasets, vllm_tap.client.export, "
-            "vllm_tap.dataset_cli; print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
+            "vllm_tap.cli.datasets; print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"

@@ -15,7 +15,8 @@ import os
 import subprocess
 import sys
 
-from other_users_python import REPO, unreachable_for_others
+from other_users_python import unreachable_for_others
+from project_layout import REPO
 
 # What the accounts' runs import, plus a lazy import inside numpy; prints every file the process uses.
 PROBE = """
