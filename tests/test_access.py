@@ -1,4 +1,4 @@
-"""Who may read captures, tried with real local users (issue 12 items 1, 3, 4, 5).
+"""Who may read captures, tried with real local users.
 
 Two tenants, A and B, each set up as the shipped template unit sets one up: a daemon account in the
 tenant's ring group and reader group, a vLLM (writer) account in the ring group only, a reader

@@ -1,5 +1,6 @@
 """The capture core and the CUDA publisher on a GPU with torch alone (no vLLM): are the bytes right,
-what does the hook cost, and does the compute stream wait for the copies? (issue 18, item 1)
+what does the hook cost, and does the compute stream wait for the copies? The first check to run
+on a machine with a GPU (no GPU numbers are in docs/benchmarks.md yet).
 
     python -m vllm_tap.tools.gpu_check [--quick] [--out results.json]
     python -m vllm_tap.tools.gpu_check --device cpu --quick     # the same logic on the CPU (a smoke run)

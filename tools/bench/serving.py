@@ -17,7 +17,7 @@ Configurations (one request set, streamed, `ignore_eos` so every request makes e
 Presets (`--model`): `default` (8 layers x 1024 hidden, vocabularies 32000 and 128256, configs
 a-f, 3 repeats: what the tap costs at scale) and `small` (8 layers x 512 hidden, vocabulary 32000,
 configs a b t h l e, 7 repeats: a model small enough that the tap's fixed costs per step, per
-request and per record show, issue 16).
+request and per record show).
 
 Servers: one with the plugin off (a, d, e) and one with it on (b, c); both get the same flags
 otherwise (`--max-logprobs -1 --logprobs-mode raw_logits`, which change nothing for requests that
@@ -83,7 +83,7 @@ INSTANCE = "bench"
 TARGET_TPUT = 0.99  # (b), (c) output tok/s >= 0.99 x (a)
 TARGET_ITL_P99 = 1.02  # (b), (c) ITL p99 <= 1.02 x (a)
 TARGET_C_OVER_D = 20.0  # (c) output tok/s >= 20 x (d)
-# issue 16, small preset: output tok/s ratio to (a) per configuration
+# small preset: output tok/s ratio to (a) per configuration
 TARGET_SMALL_TPUT = {"b": 0.99, "t": 0.98, "h": 0.95, "l": 0.95}
 
 
@@ -799,7 +799,7 @@ def summarise(runs: list[dict[str, Any]], configs: list[str], repeats: int) -> d
             if d and d[0]["tok_s"] > 0:
                 per.append(r["tok_s"] / d[0]["tok_s"])
         out["c_over_d"] = {"median": median(per), "range": spread(per)}
-    if "t" in out and "e" in out:  # issue 16: the tap's top-20 at least as fast as vLLM's own
+    if "t" in out and "e" in out:  # small preset: the tap's top-20 at least as fast as vLLM's own
         per = []
         for r in (x for x in runs if x["config"] == "t"):
             e = [x for x in runs if x["config"] == "e" and x["repeat"] == r["repeat"]]
