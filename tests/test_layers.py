@@ -1,13 +1,17 @@
 """Layers point one way (docs/development.md, "Layers"): the formats and the core at the bottom; the
 hooks, the daemon and the client each on the core alone; tools on those; the command line on top.
 Checked on the import graph built from the sources (tests/project_layout.py), every import counted,
-also those inside functions; and the graph has no cycle."""
+also those inside functions; and the graph has no cycle. The suite's own split too: every test
+module that can start vLLM is marked `vllm`, so `./run test-fast` (-m "not vllm") starts none."""
 
 from __future__ import annotations
 
+import ast
+import os
+
 import pytest
 
-from project_layout import import_graph
+from project_layout import REPO, import_graph
 
 PARTS = ("hooks", "daemon", "client", "tools", "cli")  # vllm_tap.<part>; every other module is the core
 MAY_IMPORT = {
@@ -100,3 +104,38 @@ def test_the_checks_see_what_they_forbid():
     assert upward(old) == ["vllm_tap.client.stream (client) imports vllm_tap.daemon.config (daemon)",
                            "vllm_tap.dataset_cli (core) imports vllm_tap.client.record (client)"]
     assert cycles(old) == [["vllm_tap.ring", "vllm_tap.ring_schema", "vllm_tap.spec"]]
+
+
+# Importing any of these is how a test module starts vLLM (an engine, a server or the demo).
+STARTS_VLLM = {"vllm", "vllm_tap.tools.launch", "vllm_tap.tools.demo", "parallel_engine", "server_stack"}
+
+
+def _imports(tree: ast.AST) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+    return out
+
+
+def _marked_vllm(tree: ast.Module) -> bool:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets):
+            return any(isinstance(n, ast.Attribute) and n.attr == "vllm" for n in ast.walk(node.value))
+    return False
+
+
+def test_every_test_module_that_starts_vllm_is_marked():
+    tests = os.path.join(REPO, "tests")
+    unmarked, marked = [], []
+    for name in sorted(os.listdir(tests)):
+        if not (name.startswith("test_") and name.endswith(".py")):
+            continue
+        with open(os.path.join(tests, name)) as f:
+            tree = ast.parse(f.read(), name)
+        starts = any(m == s or m.startswith(s + ".") for m in _imports(tree) for s in STARTS_VLLM)
+        (marked if _marked_vllm(tree) else unmarked if starts else []).append(name)
+    assert unmarked == []
+    assert "test_server_e2e.py" in marked and "test_hook_offline.py" in marked
