@@ -162,8 +162,11 @@ def daemon_proc(daemon_factory) -> DaemonProcess:
 def other_users_python():
     """An interpreter other local accounts can execute, with the project and its run-time
     dependencies (tests/other_users_python.py); made once per session, removed after."""
-    from other_users_python import build
+    from other_users_python import CannotRun, build
 
-    py = build()
+    try:
+        py = build()
+    except CannotRun as e:
+        pytest.skip(f"no interpreter other accounts can run: {e}")
     yield py
     shutil.rmtree(py.root, ignore_errors=True)

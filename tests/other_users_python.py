@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import stat
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -122,6 +123,15 @@ def _place_project(site: str) -> None:
 def build(parent: str | None = None) -> OtherUsersPython:
     """Make the tree (about 150 MB when copied; hard links cost nothing) and return it."""
     root = tempfile.mkdtemp(prefix="vllm-tap-python-", dir=parent)
+    try:
+        _fill(root)
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    return OtherUsersPython(root)
+
+
+def _fill(root: str) -> None:
     os.chmod(root, 0o755)
     ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
     binary = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
@@ -137,22 +147,40 @@ def build(parent: str | None = None) -> OtherUsersPython:
     if sysconfig.get_config_var("Py_ENABLE_SHARED"):
         so = sysconfig.get_config_var("INSTSONAME")
         _place(os.path.join(sysconfig.get_config_var("LIBDIR"), so), os.path.join(libdir, so))
-    site = os.path.join(stdlib, "site-packages")
-    for dist in _requirements_closure(pyproject()["project"]["dependencies"]):
-        _place_distribution(dist, site)
-    _place_project(site)
-    for name in os.listdir(TESTS):
-        if name.endswith(".py") and not name.startswith(("test_", "conftest")):
-            _place(os.path.join(TESTS, name), os.path.join(root, "tests", name))
     launcher = os.path.join(root, "bin", "python")
     with open(launcher, "w") as f:
         # -E: nothing from the caller's PYTHONPATH/PYTHONHOME leads the interpreter back out of the tree.
         f.write(f'#!/bin/sh\nLD_LIBRARY_PATH="{libdir}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}" '
                 f'exec "{real}" -E "$@"\n')
     os.chmod(launcher, 0o755)
+    site = _site_dir(launcher, root)
+    for dist in _requirements_closure(pyproject()["project"]["dependencies"]):
+        _place_distribution(dist, site)
+    _place_project(site)
+    for name in os.listdir(TESTS):
+        if name.endswith(".py") and not name.startswith(("test_", "conftest")):
+            _place(os.path.join(TESTS, name), os.path.join(root, "tests", name))
     for d, _, _ in os.walk(root):  # files were opened up as placed (_place)
         os.chmod(d, 0o755)
-    return OtherUsersPython(root)
+
+
+class CannotRun(Exception):
+    """The tree cannot be executed where it was made (a file system mounted noexec)."""
+
+
+def _site_dir(launcher: str, root: str) -> str:
+    """The tree's own site directory, as the copied interpreter names it (site-packages, or a
+    distribution's own layout such as Debian's dist-packages)."""
+    try:
+        r = subprocess.run([launcher, "-c", "import site; print('\\n'.join(site.getsitepackages()))"],
+                           capture_output=True, text=True, timeout=60, cwd="/")
+    except PermissionError as e:
+        raise CannotRun(f"{root} does not allow executing files ({e})") from e
+    assert r.returncode == 0, f"the copied interpreter in {root} does not start: {r.stderr[-1000:]}"
+    inside = [p for p in r.stdout.split() if p.startswith(root + os.sep)]
+    assert inside, f"the copied interpreter in {root} has no site directory inside it: {r.stdout.split()}"
+    os.makedirs(inside[0], exist_ok=True)
+    return inside[0]
 
 
 def unreachable_for_others(paths: list[str]) -> list[str]:
