@@ -18,7 +18,7 @@ import zmq
 
 from vllm_tap import wire_format as wf
 from vllm_tap.positions import PositionRanges
-from vllm_tap.daemon.config import default_endpoint
+from vllm_tap.defaults import default_endpoint
 
 from vllm_tap.client.arena import OVERWRITTEN, ArenaUse
 from vllm_tap.client.errors import CaptureLost, CaptureNotFound, DaemonUnavailable, ProtocolError, Refused, error_for

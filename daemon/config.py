@@ -5,15 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from vllm_tap.ring import DEFAULT_SHM_DIR
-
-
-def default_endpoint() -> str:
-    """ipc socket under systemd's RuntimeDirectory when root, else under the user's runtime dir."""
-    if os.geteuid() == 0:
-        return "ipc:///run/vllm-tap/tap.sock"
-    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/vllm-tap-{os.getuid()}"
-    return f"ipc://{base}/vllm-tap.sock"
+from vllm_tap.defaults import DEFAULT_SHM_DIR, default_endpoint
 
 
 def default_state_dir() -> str:

@@ -156,3 +156,17 @@ def daemon_factory(shm_dir, sock_dir):
 def daemon_proc(daemon_factory) -> DaemonProcess:
     """A running daemon on a fresh shm dir (end grace shortened so incomplete requests end quickly)."""
     return daemon_factory(end_grace_s=1.0)
+
+
+@pytest.fixture(scope="session")
+def other_users_python():
+    """An interpreter other local accounts can execute, with the project and its run-time
+    dependencies (tests/other_users_python.py); made once per session, removed after."""
+    from other_users_python import CannotRun, build
+
+    try:
+        py = build()
+    except CannotRun as e:
+        pytest.skip(f"no interpreter other accounts can run: {e}")
+    yield py
+    shutil.rmtree(py.root, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""Timings of the daemon under the floods of issue 11 (a measurement, not a test).
+"""Timings of the daemon under socket floods (a measurement, not a test).
 
     python tests/measure_floods.py pending|junk|death [--json]
 

@@ -1,4 +1,4 @@
-"""Who may read captures, tried with real local users (issue 12 items 1, 3, 4, 5).
+"""Who may read captures, tried with real local users.
 
 Two tenants, A and B, each set up as the shipped template unit sets one up: a daemon account in the
 tenant's ring group and reader group, a vLLM (writer) account in the ring group only, a reader
@@ -29,8 +29,8 @@ import pytest
 from synthetic_writer import Scenario, assert_capture
 from vllm_tap.client import Client, DaemonUnavailable, Refused
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-AS_USER = os.path.join(HERE, "as_user.py")
+from other_users_python import OtherUsersPython
+
 P = "vtt"  # every account and group this test makes starts with it
 
 pytestmark = [
@@ -50,6 +50,10 @@ USERS = {  # account -> supplementary groups
 }
 
 
+# The interpreter the accounts run (other_users_python.py), set by the `world` fixture for the module.
+OTHER: OtherUsersPython | None = None
+
+
 def _drop_accounts() -> None:
     for u in USERS:
         subprocess.run(["userdel", u], capture_output=True)
@@ -58,7 +62,8 @@ def _drop_accounts() -> None:
 
 
 def _as(user: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, AS_USER, user, "--", *args], capture_output=True, text=True,
+    assert OTHER is not None, "the world fixture sets the interpreter"
+    return subprocess.run(OTHER.as_user(user, *args), capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -89,7 +94,8 @@ class Tenant:
             os.chown(d, uid, pwd.getpwnam(self.tap).pw_gid)
 
     def start(self, *extra: str, endpoint: str | None = None) -> None:
-        argv = [sys.executable, AS_USER, self.tap, "--", "-m", "vllm_tap.cli", "daemon", "--shm-dir", self.shm,
+        assert OTHER is not None, "the world fixture sets the interpreter"
+        argv = [*OTHER.as_user(self.tap, "-m", "vllm_tap.cli", "daemon"), "--shm-dir", self.shm,
                 "--endpoint", endpoint or self.endpoint, "--state-dir", self.state, "--ring-group", self.rings,
                 "--ring-owners", self.vllm, "--socket-group", self.readers, "--end-grace", "1", *extra]
         with open(self.log, "ab") as log:
@@ -120,13 +126,15 @@ class Tenant:
             return f.read()
 
     def write(self, sc: Scenario) -> None:
-        r = _as(self.vllm, os.path.join(HERE, "synthetic_writer.py"), self.shm, sc.to_json(), "--group", self.rings)
+        r = _as(self.vllm, os.path.join(OTHER.tests, "synthetic_writer.py"), self.shm, sc.to_json(), "--group", self.rings)
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout.splitlines()[-1])["dropped"] == 0
 
 
 @pytest.fixture(scope="module")
-def world():
+def world(other_users_python):
+    global OTHER
+    OTHER = other_users_python
     _drop_accounts()
     try:
         for g in GROUPS:

@@ -1,4 +1,4 @@
-"""Delivery through shared memory (issue 17): the daemon's arena, descriptors to same-host
+"""Delivery through shared memory: the daemon's arena, descriptors to same-host
 subscribers, frames over tcp. Real daemon processes, real subscribers in other processes, the real
 arena file; the allocator and the reassembler's placement are also driven directly."""
 

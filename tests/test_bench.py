@@ -143,7 +143,7 @@ def test_small_summary_ratios_within_repeat_and_cpu_per_request():
         "params": serving._params_dict(serving.ServingParams.small()),
         "points": [{"vocab": 32000, "model_params": 5.6e7, "configs": ["a", "b", "t"], "runs": runs, "summary": s}],
     }}
-    # the small view is chosen when a capture configuration of issue 16 is there
+    # the small view is chosen when a capture configuration of the small preset is there
     s["t"] = {**s["b"], "drain": {"complete_captures": 3, "captures": 3, "positions": 3, "expected_positions": 3,
                                   "missing": 0, "gb": 1e-5, "lag_s": 0.0, "ring_drops": 0}}
     md = report.markdown(results)

@@ -1,4 +1,4 @@
-"""tcp with ZeroMQ CURVE (issue 12 item 2): a real daemon on a non-loopback tcp endpoint, real keys
+"""tcp with ZeroMQ CURVE: a real daemon on a non-loopback tcp endpoint, real keys
 from `vllm-tap keygen`, real clients with and without them.
 
 - a non-loopback tcp endpoint without keys does not start (exit 2, one line) unless --insecure;

@@ -1,4 +1,4 @@
-"""A real daemon process against floods on its socket (issue 11, items 7 and 8): idle connections,
+"""A real daemon process against floods on its socket: idle connections,
 too many connections from one peer, huge frames, and subscriptions that wait for names that never
 come from a peer that then leaves. The daemon must not abort, must refuse the excess with an error,
 and must keep serving everyone else."""

@@ -378,6 +378,13 @@ def test_topk_captures_with_logsumexp_record_it_and_export_exact_logprobs(tmp_pa
 def test_saelens_export_loads_in_saelens_and_trains(tmp_path) -> None:
     if not os.path.exists(SAE_PY):
         pytest.skip(f"sae-lens venv not found at {SAE_PY} (./run install creates it; see docs/datasets.md)")
+    probe = subprocess.run([SAE_PY, "-c", "import sae_lens"], capture_output=True, text=True, timeout=300)
+    if probe.returncode != 0:
+        pytest.skip(f"sae-lens does not import in {SAE_PY}: {probe.stderr.strip().splitlines()[-1:]}")
+    # SAELens there but not the project or its dependencies: ./run made the venv wrong, a failure.
+    probe = subprocess.run([SAE_PY, "-c", "import zmq, vllm_tap.client.datasets"], capture_output=True, text=True,
+                           timeout=120)
+    assert probe.returncode == 0, f"{SAE_PY} lacks the project or its dependencies: {probe.stderr[-1000:]}"
     dest = str(tmp_path / "ds")
     _record(dest, range(20))
     out = str(tmp_path / "sae")
@@ -421,7 +428,7 @@ def test_bench_record_runs_and_reports(tmp_path) -> None:
 
 def test_dataset_side_imports_neither_torch_nor_vllm() -> None:
     code = ("import sys; import vllm_tap.client.record, vllm_tap.client.datasets, vllm_tap.client.export, "
-            "vllm_tap.dataset_cli; print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
+            "vllm_tap.cli.datasets; print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"

@@ -21,6 +21,8 @@ from vllm_tap.ring import RingReader
 from vllm_tap.ring_format import RecordKind
 from vllm_tap.tools.tiny_model import TinyLlamaSpec, prompt_text
 
+pytestmark = pytest.mark.vllm
+
 TOL = 1e-5
 SPEC = TinyLlamaSpec()
 N_LAYERS = SPEC.num_layers

@@ -25,6 +25,8 @@ from vllm_tap.policy import selects
 from vllm_tap.tools.launch import DaemonHandle
 from vllm_tap.ring import read_info
 
+pytestmark = pytest.mark.vllm
+
 TOL = 1e-5
 HERE = os.path.dirname(os.path.abspath(__file__))
 # name -> (tp, pp, eager). vLLM 0.32's CPU runner allocates the pipeline's receive buffers only in

@@ -15,12 +15,15 @@ import shutil
 import tempfile
 
 import numpy as np
+import pytest
 
 from reference import hf_forward, shutdown_llm, tiny_model
 from vllm_tap.daemon.reassembly import End, Reassembler, Tokens
 from vllm_tap.ring import RingReader
 from vllm_tap.ring_format import RecordKind
 from vllm_tap.tools.tiny_model import prompt_text
+
+pytestmark = pytest.mark.vllm
 
 TOL = 1e-5
 KV_BLOCK_BYTES = 2 * 4 * 2 * 32 * 4 * 32  # (k, v) × layers × kv heads × head dim × fp32 × block size

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -27,12 +25,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from reference import log_softmax, tiny_model
+from reference import log_softmax
+from server_stack import ServerStack
 from vllm_tap import dataset_format as df
 from vllm_tap.client import Client
 from vllm_tap.client.datasets import activation_batches, open_dataset
-from vllm_tap.tools.launch import DaemonHandle, ServerHandle, cpu_server_args, free_port, tap_server_args
 from vllm_tap.tools.tiny_model import TinyLlamaSpec, prompt_text
+
+pytestmark = pytest.mark.vllm
 
 SPEC = TinyLlamaSpec()
 LAYERS = [0, 2, SPEC.num_layers]
@@ -49,24 +49,8 @@ def _token_id(s: str) -> int:
 
 @pytest.fixture(scope="module")
 def stack():
-    shm = tempfile.mkdtemp(prefix="vt-rec-", dir="/dev/shm")
-    tmp = tempfile.mkdtemp(prefix="vt-")
-    model = tiny_model(SPEC)
-    daemon = DaemonHandle(shm, f"ipc://{tmp}/tap.sock", os.path.join(tmp, "daemon.log"))
-    server = ServerHandle(model, free_port(), os.path.join(tmp, "server.log"),
-                          cpu_server_args(eager=True) + ["--max-logprobs", "-1"] + tap_server_args(shm, "rec", policy=POLICY))
-    daemon.start()
-    try:
-        server.start(timeout=420)
-        import openai
-
-        api = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-        yield model, daemon, api, tmp
-    finally:
-        server.stop()
-        daemon.stop()
-        shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+    with ServerStack("rec", eager=True, server_args=["--max-logprobs", "-1"], policy=POLICY) as s:
+        yield s.model, s.daemon, s.openai, s.tmp
 
 
 def _complete(api, model, prompt_ids, key: str | None, **kw):

@@ -19,53 +19,20 @@ import numpy as np
 import pytest
 
 from reference import hf_forward, log_softmax, tiny_model
+from server_stack import ServerStack
 from vllm_tap.client import AmbiguousCapture, CaptureNotFound, Client, Gap
-from vllm_tap.tools.launch import DaemonHandle, ServerHandle, cpu_server_args, free_port, tap_server_args
+from vllm_tap.tools.launch import ServerHandle, cpu_server_args, free_port, tap_server_args
 from vllm_tap.tools.tiny_model import TinyLlamaSpec, prompt_text
+
+pytestmark = pytest.mark.vllm
 
 TOL = 1e-5
 SPEC = TinyLlamaSpec()
 
 
-class Stack:
-    def __init__(self):
-        self.shm = tempfile.mkdtemp(prefix="vt-e2e-", dir="/dev/shm")
-        self.tmp = tempfile.mkdtemp(prefix="vt-")
-        self.model = tiny_model(SPEC)
-        self.daemon = DaemonHandle(self.shm, f"ipc://{self.tmp}/tap.sock", os.path.join(self.tmp, "daemon.log"))
-        args = cpu_server_args(eager=False, max_num_batched_tokens=64) + ["--max-logprobs", "-1"]
-        self.server = ServerHandle(self.model, free_port(), os.path.join(self.tmp, "server.log"),
-                                   args + tap_server_args(self.shm, "e2e"))
-
-    def __enter__(self):
-        import openai
-
-        self.daemon.start()
-        self.server.start(timeout=420)
-        self.openai = openai.OpenAI(base_url=self.server.base_url + "/v1", api_key="unused", max_retries=0)
-        self.client = Client(self.daemon.endpoint)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.stop()
-        self.daemon.stop()
-        self.client.close()
-        shutil.rmtree(self.shm, ignore_errors=True)
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-    def complete(self, prompt, xargs=None, **kw):
-        body = dict(kw.pop("extra_body", {}))
-        body.setdefault("ignore_eos", True)
-        if xargs is not None:
-            body["vllm_xargs"] = xargs
-        kw.setdefault("temperature", 0.0)
-        kw.setdefault("max_tokens", 4)
-        return self.openai.completions.create(model=self.model, prompt=prompt, extra_body=body, **kw)
-
-
 @pytest.fixture(scope="module")
 def stack():
-    with Stack() as s:
+    with ServerStack("e2e", eager=False, max_num_batched_tokens=64, server_args=["--max-logprobs", "-1"]) as s:
         yield s
 
 

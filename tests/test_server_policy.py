@@ -21,20 +21,21 @@ import subprocess
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 
 import numpy as np
 import pytest
 
 from reference import tiny_model
+from server_stack import ServerStack
 from test_spec import BAD, NEEDS
-from vllm_tap.client import CaptureNotFound, Client
+from vllm_tap.client import CaptureNotFound
 from vllm_tap.client.records import CaptureBuilder
 from vllm_tap.policy import selects
-from vllm_tap.tools.launch import DaemonHandle, ServerHandle, cpu_server_args, free_port, tap_server_args
+from vllm_tap.tools.launch import ServerHandle, cpu_server_args, free_port, tap_server_args
 from vllm_tap.tools.tiny_model import TinyLlamaSpec, prompt_text
+
+pytestmark = pytest.mark.vllm
 
 TOL = 1e-5
 SPEC = TinyLlamaSpec()
@@ -42,51 +43,10 @@ POLICY = {"share": 0.5, "positions": "output", "layers": [2], "key": "traffic"}
 RING_BYTES = 8 << 20
 
 
-class Stack:
+class Stack(ServerStack):
     def __init__(self):
-        self.shm = tempfile.mkdtemp(prefix="vt-pol-", dir="/dev/shm")
-        self.tmp = tempfile.mkdtemp(prefix="vt-")
-        self.model = tiny_model(SPEC)
-        self.daemon = DaemonHandle(self.shm, f"ipc://{self.tmp}/tap.sock", os.path.join(self.tmp, "daemon.log"))
-        args = cpu_server_args(eager=True, max_num_batched_tokens=256)
-        self.server = ServerHandle(self.model, free_port(), os.path.join(self.tmp, "server.log"),
-                                   args + tap_server_args(self.shm, "pol", ring_bytes=RING_BYTES, policy=POLICY))
-
-    def __enter__(self):
-        import openai
-
-        self.daemon.start()
-        self.server.start(timeout=420)
-        self.openai = openai.OpenAI(base_url=self.server.base_url + "/v1", api_key="unused", max_retries=0)
-        self.client = Client(self.daemon.endpoint)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.stop()
-        self.daemon.stop()
-        self.client.close()
-        shutil.rmtree(self.shm, ignore_errors=True)
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-    def post(self, body: dict, headers: dict | None = None, timeout: float = 120) -> tuple[int, dict]:
-        """A raw /v1/completions request: (HTTP status, JSON body)."""
-        body = {"model": self.model, "max_tokens": 1, **body}
-        req = urllib.request.Request(self.server.base_url + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json", **(headers or {})})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read() or b"{}")
-
-    def complete(self, prompt, xargs=None, **kw):
-        body = dict(kw.pop("extra_body", {}))
-        body.setdefault("ignore_eos", True)
-        if xargs is not None:
-            body["vllm_xargs"] = xargs
-        kw.setdefault("temperature", 0.0)
-        kw.setdefault("max_tokens", 6)
-        return self.openai.completions.create(model=self.model, prompt=prompt, extra_body=body, **kw)
+        super().__init__("pol", eager=True, max_num_batched_tokens=256, max_tokens=6, ring_bytes=RING_BYTES,
+                         policy=POLICY)
 
     def alive(self) -> bool:
         status, body = self.post({"prompt": "w5 w6"}, timeout=60)

@@ -495,7 +495,7 @@ def test_units_keep_the_rings_and_the_contract():
         assert int(settings["WatchdogSec"]) > 0 and settings["RestartPreventExitStatus"] == "2"
         assert settings["RemoveIPC"] == "no" and "DynamicUser" not in settings  # either would delete the rings
         assert settings["User"].startswith("vllm-tap") and settings["RuntimeDirectory"].startswith("vllm-tap")
-        # The access model (issue 12): the daemon is in the ring group and the readers' group, and says
+        # The access model: the daemon is in the ring group and the readers' group, and says
         # which they are so that it can check rings and hand the socket to the readers.
         user = settings["User"]
         assert settings["SupplementaryGroups"].split() == [f"{user}-rings", f"{user}-readers"]
@@ -503,7 +503,7 @@ def test_units_keep_the_rings_and_the_contract():
         assert f"-g {user}-rings" in settings["ExecStartPre"] and "test -e" in settings["ExecStartPre"]
         assert settings["StateDirectoryMode"] == "0700" and settings["RuntimeDirectoryMode"] == "0750"
         assert settings["ReadWritePaths"].startswith("/dev/shm/vllm-tap")
-        # The arena (issue 17): its own directory beside the rings, made for the readers' group, writable here.
+        # The arena: its own directory beside the rings, made for the readers' group, writable here.
         shm = settings["ReadWritePaths"].split()[0]
         assert settings["ReadWritePaths"].split() == [shm, f"{shm}.arena"]
         assert f"-m 0750 -o {user} -g {user}-readers {shm}.arena" in settings["ExecStartPre"]

@@ -540,7 +540,7 @@ def test_staged_copies_happen_after_the_step_returns(ring):
 
 @pytest.mark.parametrize("scenario", ["decode-8", "prefill-256"])
 def test_gpu_check_script_runs_its_checks_on_the_cpu(tmp_path, scenario):
-    """tools/gpu_check.py (issue 18 item 1, for a session with a GPU) runs the staged publisher and
+    """tools/gpu_check.py (for a machine with a GPU) runs the staged publisher and
     its bytewise check; here on the CPU with small sizes, so a broken script is found before then."""
     from vllm_tap.tools import gpu_check
 

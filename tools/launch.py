@@ -102,20 +102,12 @@ class ServerHandle:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 300.0) -> "ServerHandle":
-        self.spawn()
-        return self.wait_healthy(timeout)
-
-    def spawn(self) -> "ServerHandle":
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                 "--host", "127.0.0.1", "--port", str(self.port), *self.args]
         env = {**os.environ, **self.env}
         log.info("starting vLLM: %s", " ".join(argv))
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=out, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
-        return self
-
-    def wait_healthy(self, timeout: float = 300.0) -> "ServerHandle":
-        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:

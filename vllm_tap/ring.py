@@ -56,8 +56,6 @@ from vllm_tap.records import RequestRef, RequestTable, RingRecord, TensorId
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SHM_DIR = "/dev/shm/vllm-tap"
-
 # Hot-path lookups (reserve runs once per captured tensor per step): item sizes by dtype code and
 # the positions of the writer statistics in the header.
 _ITEMSIZE = {int(code): rf.storage_dtype(code).itemsize for code in rf.DType}

@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Callable, NamedTuple
+from typing import Annotated, Any, Callable, NamedTuple
 
 import msgspec
 import numpy as np
 
 from vllm_tap import ring_format as rf
 from vllm_tap.records import RingRecord, TensorId
-
-if TYPE_CHECKING:
-    from vllm_tap.spec import CaptureSpec
+from vllm_tap.spec import CaptureSpec
 
 # -- bounds (a legitimate writer stays far inside every one of them) --
 
@@ -266,8 +264,6 @@ def _spec(raw: msgspec.Raw, rid: str) -> "CaptureSpec | None":
         return None
     if not isinstance(value, dict):
         raise Rejected(f"capture spec is a {type(value).__name__}, not a map", (rid,))
-    from vllm_tap.spec import CaptureSpec  # here: spec imports ring, which imports this module
-
     try:
         spec = CaptureSpec.from_meta(value)
         # What the daemon will ask of it, on small numbers: a spec that cannot answer is malformed.

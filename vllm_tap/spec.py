@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 
 import msgspec
 
-from vllm_tap.ring import DEFAULT_SHM_DIR
+from vllm_tap.defaults import DEFAULT_SHM_DIR
 from vllm_tap.windows import UNBOUNDED, SYNTAX_HELP, Window
 
 

@@ -15,7 +15,7 @@ user asked for, timed and reported separately, not overhead. Decode steps have n
 Target: hook time per step <= 2 x (captured bytes / memcpy bandwidth) + 50 us. The `small` preset
 (`vllm-tap bench hook --model small`) runs the decode steps of `bench serving --model small`'s
 configurations (8 requests, vocabulary 32000, hidden 512: nobody captures, top-20, layers 2 and 5,
-full logits) against issue 16's target: hook time per decode step <= 30 us + the memcpy time of its
+full logits) against the small model's target: hook time per decode step <= 30 us + the memcpy time of its
 bytes. Top-k and its logsumexp are O(vocabulary) compute per row on the step thread of a CPU
 server, not copying: on an accelerator they are kernels on the compute stream.
 """
@@ -36,7 +36,7 @@ from vllm_tap.tools.bench import loadavg, median, spread
 
 TARGET_FACTOR = 2.0
 TARGET_SLACK_US = 50.0
-SMALL_TARGET_SLACK_US = 30.0  # issue 16: <= 30 us + memcpy time, per decode step
+SMALL_TARGET_SLACK_US = 30.0  # small preset: <= 30 us + memcpy time, per decode step
 
 
 @dataclass(frozen=True)

@@ -253,7 +253,7 @@ def serving_md(sv: dict[str, Any]) -> list[str]:
 
 
 def _small_md(sv: dict[str, Any]) -> list[str]:
-    """The per-process CPU view (the small preset, issue 16)."""
+    """The per-process CPU view (the small preset: per-process CPU per request)."""
     p = sv["params"]
     mdl = p["model"]
     out = [
@@ -425,7 +425,7 @@ def transport_md(tp: dict[str, Any]) -> list[str]:
 
 
 def _watch_md(tp: dict[str, Any]) -> list[str]:
-    """Watch against one subscription per capture (issue 13), from the same run as the table above."""
+    """Watch against one subscription per capture, from the same run as the table above."""
     rows = tp.get("watch_summary") or []
     if not rows:
         return []

@@ -22,9 +22,11 @@ a-f, 3 repeats: what the tap costs at scale), `small` (8 layers x 512 hidden, vo
 configs a b t h l e, 7 repeats: a model small enough that the tap's fixed costs per step, per
 request and per record show) and `gpu` (`--gpu`: a ~1.1 B bf16 Llama, vocabulary 128256, hidden
 2048, 12 layers, compiled with CUDA graphs, configs a b o t h l e, 64 requests x (256 + 128) at
-concurrency 32). On a GPU every server is started at once (they share the card; each is measured
-alone), and the worker's own count of the hook's host time per capturing step (hooks/cost.py,
-logged every few seconds during the bench) is collected from each tap server's log.
+concurrency 32). On a GPU the servers share the card (each is measured alone); they are started one
+after the other, since vLLM sizes its KV cache from what the card has free while it profiles and
+servers starting together take each other's memory (it refused to start: "No available memory for
+the cache blocks"). The worker's own count of the hook's host time per capturing step
+(hooks/cost.py, logged every few seconds during the bench) is collected from each tap server's log.
 
 Servers: one with the plugin off (a, d, e) and one with it on (b, c); both get the same flags
 otherwise (`--max-logprobs -1 --logprobs-mode raw_logits`, which change nothing for requests that
@@ -92,7 +94,7 @@ INSTANCE = "bench"
 TARGET_TPUT = 0.99  # (b), (c) output tok/s >= 0.99 x (a)
 TARGET_ITL_P99 = 1.02  # (b), (c) ITL p99 <= 1.02 x (a)
 TARGET_C_OVER_D = 20.0  # (c) output tok/s >= 20 x (d)
-# issue 16, small preset: output tok/s ratio to (a) per configuration
+# small preset: output tok/s ratio to (a) per configuration
 TARGET_SMALL_TPUT = {"b": 0.99, "t": 0.98, "h": 0.95, "l": 0.95}
 
 
@@ -469,8 +471,8 @@ def _start_servers(kinds: list[str], model_path: str, p: ServingParams, vocab: i
                    started: list[Any], echo) -> dict[str, _Server]:
     """Start the servers (and, for the tap, one daemon they share). Every process is put on `started`
     before it is waited for, so the caller stops it whatever happens (an error, a timeout, SIGTERM).
-    On a CPU machine one after the other (vLLM's CPU worker binds cores); on a GPU all at once, since
-    a compiled start takes minutes and they share the card."""
+    One after the other: on a CPU vLLM's worker binds cores, and on a GPU each server sizes its KV
+    cache from what the card has free while it starts."""
     from vllm_tap.tools.launch import DaemonHandle, ServerHandle, free_port
 
     daemon, endpoint = None, ""
@@ -480,19 +482,20 @@ def _start_servers(kinds: list[str], model_path: str, p: ServingParams, vocab: i
         started.append(daemon)
         daemon.start(extra=["--log-level", "WARNING"])
     env = {"VLLM_CPU_KVCACHE_SPACE": str(p.kv_cache_gib), "VLLM_TAP_COST_LOG_S": str(COST_LOG_EVERY_S)}
-    together = p.device == "cuda"
     servers: dict[str, _Server] = {}
-    pending: list[tuple[str, Any, float]] = []
     for kind in kinds:
-        handle = ServerHandle(model_path, free_port(), os.path.join(workdir, f"server-{kind}.log"),
-                              _server_args(kind, p, vocab, shm), env)
-        started.append(handle)
-        pending.append((kind, handle, time.monotonic()))
-        handle.spawn()
-        if not together:
-            handle.wait_healthy(p.server_timeout_s)
-    for kind, handle, t in pending:
-        handle.wait_healthy(p.server_timeout_s)
+        for attempt in range(3):  # free_port can race with other processes on a shared machine
+            handle = ServerHandle(model_path, free_port(), os.path.join(workdir, f"server-{kind}.log"),
+                                  _server_args(kind, p, vocab, shm), env)
+            started.append(handle)
+            t = time.monotonic()
+            try:
+                handle.start(p.server_timeout_s)
+                break
+            except RuntimeError as e:
+                handle.stop()
+                if "Address already in use" not in str(e) or attempt == 2:
+                    raise RuntimeError(f"could not start the {kind} server: {e}") from None
         echo(f"  server {kind} up in {time.monotonic() - t:.0f} s (pid {handle.proc.pid})")
         servers[kind] = _Server(kind, handle, daemon if kind != "plain" else None, endpoint if kind != "plain" else "")
     return servers
@@ -858,7 +861,7 @@ def summarise(runs: list[dict[str, Any]], configs: list[str], repeats: int) -> d
             if d and d[0]["tok_s"] > 0:
                 per.append(r["tok_s"] / d[0]["tok_s"])
         out["c_over_d"] = {"median": median(per), "range": spread(per)}
-    if "t" in out and "e" in out:  # issue 16: the tap's top-20 at least as fast as vLLM's own
+    if "t" in out and "e" in out:  # small preset: the tap's top-20 at least as fast as vLLM's own
         per = []
         for r in (x for x in runs if x["config"] == "t"):
             e = [x for x in runs if x["config"] == "e" and x["repeat"] == r["repeat"]]

@@ -6,7 +6,7 @@ every capture by name through the daemon. The first 8 bytes of every record's pa
 time.time_ns() taken just before the record is committed, so a subscriber's latency is measured
 from commit to the moment it holds the array (same host, same clock).
 
-Two delivery paths run side by side, interleaved, against the same daemon (issue 17):
+Two delivery paths run side by side, interleaved, against the same daemon:
 - "frames": the payload goes to each subscriber as ZeroMQ frames (the path before the arena, and
   the one tcp:// subscribers take): the subscriber sets VLLM_TAP_ARENA=0;
 - "arena": the subscriber maps the daemon's arena and gets descriptors; it copies each array once.
@@ -20,7 +20,7 @@ Per (record size, subscribers, path) and repeat, two phases:
   drops); GB/s per subscriber from the first commit to the last record received.
 Configurations are interleaved within each repeat, medians reported over repeats.
 
-Watch (issue 13), against the daemon with the default poll interval: the writer writes many
+Watch, against the daemon with the default poll interval: the writer writes many
 captures one after another (BEGIN, `records` DATA records of `size` bytes, END), as fast as the
 ring allows; 1 and 4 consumer processes receive every capture whole, either through one watch each
 (`Client.watch`, whole mode) or, for comparison, through one subscription per capture (`fetch` of
@@ -50,8 +50,8 @@ INSTANCE = "bench"
 KiB, MiB = 1 << 10, 1 << 20
 P99_TARGET_MS = 1.0
 P99_TARGET_UP_TO = 1 * MiB
-GBPS_TARGET = 1.0  # the frames path's target before the arena (issue 8), kept for comparison
-# Issue 17, for the arena path, as shares of one core's memcpy bandwidth measured in the same run:
+GBPS_TARGET = 1.0  # the frames path's target before the arena, kept for comparison
+# For the arena path, as shares of one core's memcpy bandwidth measured in the same run:
 SHARE_1_TARGET = 0.5  # one subscriber, records >= SHARE_FROM
 SHARE_ALL_TARGET = 0.75  # all subscribers together (4), records >= SHARE_FROM
 SHARE_FROM = 256 * KiB

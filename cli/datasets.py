@@ -1,5 +1,5 @@
 """`vllm-tap record` and `vllm-tap export`: thin commands over vllm_tap.client.record / export.
-(Registered by vllm_tap.cli; kept here so the datasets commands have one home.)"""
+(Registered by vllm_tap.cli.commands; kept here so the datasets commands have one home.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import click
 
 from vllm_tap import dataset_format as df
-from vllm_tap.cli_keys import key_options
+from vllm_tap.cli.keys import key_options
 
 log = logging.getLogger("vllm_tap.record")
 

@@ -1,4 +1,4 @@
-"""The CLI's CURVE key options, shared by every command that talks to the daemon (cli, dataset_cli)."""
+"""The CLI's CURVE key options, shared by every command that talks to the daemon (commands, datasets)."""
 
 from __future__ import annotations
 

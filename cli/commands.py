@@ -4,13 +4,12 @@ lives in vllm_tap.daemon and vllm_tap.client."""
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any, Callable
 
 import click
 import numpy as np
 
-from vllm_tap.cli_keys import key_options
+from vllm_tap.cli.keys import key_options
 from vllm_tap.client.stream import ENDPOINT_ENV
 from vllm_tap.daemon.cli_options import config_options
 
@@ -341,9 +340,9 @@ def keygen(directory: str, name: str) -> None:
                f"wrote {secret_path} (secret: mode 0600, keep it private)")
 
 
-# -- record, export (datasets; vllm_tap.dataset_cli) --
+# -- record, export (datasets; vllm_tap.cli.datasets) --
 
-from vllm_tap.dataset_cli import register as _register_datasets  # noqa: E402
+from vllm_tap.cli.datasets import register as _register_datasets  # noqa: E402
 
 _register_datasets(main)
 
@@ -352,7 +351,3 @@ _register_datasets(main)
 from vllm_tap.tools.bench.cli import bench as _bench  # noqa: E402
 
 main.add_command(_bench)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

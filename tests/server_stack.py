@@ -1,0 +1,86 @@
+"""The stack the server tests share: a `vllm-tap daemon` and a vLLM OpenAI server with the tap (tiny
+float32 Llama, CPU settings), on a fresh shm directory, started together and torn down together.
+
+    with ServerStack("e2e", eager=False, server_args=["--max-logprobs", "-1"]) as s:
+        r = s.complete("w1 w2", {"tap": 1})
+        cap = s.client.fetch(r.id)
+
+Every module using it starts vLLM, so it is marked `vllm` (pyproject's markers; `./run test-fast`
+leaves them out).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
+from typing import Any, Sequence
+
+from reference import tiny_model
+from vllm_tap.client import Client
+from vllm_tap.tools.launch import DaemonHandle, ServerHandle, cpu_server_args, free_port, tap_server_args
+from vllm_tap.tools.tiny_model import TinyLlamaSpec
+
+SERVER_START_S = 420  # a compiled server on two shared cores
+
+
+class ServerStack:
+    def __init__(self, instance: str, *, eager: bool = True, max_num_batched_tokens: int | None = None,
+                 server_args: Sequence[str] = (), max_tokens: int = 4, spec: TinyLlamaSpec | None = None,
+                 **tap: Any):
+        """`tap`: the plugin's settings beyond shm_dir and instance (policy, ring_bytes, layers)."""
+        self.shm = tempfile.mkdtemp(prefix=f"vt-{instance}-", dir="/dev/shm")
+        self.tmp = tempfile.mkdtemp(prefix="vt-")
+        self.model = tiny_model(spec or TinyLlamaSpec())
+        self.max_tokens = max_tokens
+        self.daemon = DaemonHandle(self.shm, f"ipc://{self.tmp}/tap.sock", os.path.join(self.tmp, "daemon.log"))
+        args = cpu_server_args(eager=eager, max_num_batched_tokens=max_num_batched_tokens) + list(server_args)
+        self.server = ServerHandle(self.model, free_port(), os.path.join(self.tmp, "server.log"),
+                                   args + tap_server_args(self.shm, instance, **tap))
+
+    def __enter__(self) -> "ServerStack":
+        import openai
+
+        self.daemon.start()
+        try:
+            self.server.start(timeout=SERVER_START_S)
+        except BaseException:
+            self._clean()
+            raise
+        self.openai = openai.OpenAI(base_url=self.server.base_url + "/v1", api_key="unused", max_retries=0)
+        self.client = Client(self.daemon.endpoint)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.client.close()
+        self._clean()
+
+    def _clean(self) -> None:
+        self.server.stop()
+        self.daemon.stop()
+        shutil.rmtree(self.shm, ignore_errors=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def complete(self, prompt, xargs: dict | None = None, **kw):
+        """A completion through the openai SDK: greedy, EOS ignored, `xargs` as vllm_xargs."""
+        body = dict(kw.pop("extra_body", {}))
+        body.setdefault("ignore_eos", True)
+        if xargs is not None:
+            body["vllm_xargs"] = xargs
+        kw.setdefault("temperature", 0.0)
+        kw.setdefault("max_tokens", self.max_tokens)
+        return self.openai.completions.create(model=self.model, prompt=prompt, extra_body=body, **kw)
+
+    def post(self, body: dict, headers: dict | None = None, timeout: float = 120) -> tuple[int, dict]:
+        """A raw /v1/completions request (where the exact JSON type matters): (HTTP status, JSON body)."""
+        body = {"model": self.model, "max_tokens": 1, **body}
+        req = urllib.request.Request(self.server.base_url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
