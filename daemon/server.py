@@ -157,6 +157,7 @@ class _Ring:
     checked: float = 0.0
     pidfd: int | None = None
     exited_at_cursor: int | None = None  # where the ring was when its writer's pidfd said it exited
+    sink_failures: int = 0  # reader.sink_failures already counted by the arena
 
     @property
     def path(self) -> str:
@@ -662,6 +663,10 @@ class Daemon:
         except (RingBroken, OSError) as e:
             self._break(ring, time.monotonic(), str(e))
             return 0
+        if ring.reader.sink_failures != ring.sink_failures and self.arena is not None:
+            self.arena.write_failed(ring.reader.sink_failures - ring.sink_failures,
+                                    "a region handed out could not be written (EFAULT)")
+            ring.sink_failures = ring.reader.sink_failures
         reasm = self._reassembler(ring.instance)
         now = time.monotonic()  # the read time: delivery latency is measured from here
         rejections = ring.reader.rejections
