@@ -7,13 +7,16 @@ from __future__ import annotations
 import hashlib
 import string
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from vllm_tap.policy import choose_spec, selects
+from vllm_tap.ring_schema import MAX_SPEC_BYTES
 from vllm_tap.spec import (
-    OPTIONS, CaptureOptionError, CaptureSpec, LogitsMode, PositionsMode, ServerCaptureConfig, is_option_key,
+    MAX_INDICES, MAX_KEY_CHARS, OPTIONS, CaptureOptionError, CaptureSpec, LogitsMode, PositionsMode, ServerCaptureConfig,
+    is_option_key,
     parse_capture_spec,
 )
 from vllm_tap.windows import UNBOUNDED, Window
@@ -113,6 +116,18 @@ def test_offline_python_values_are_refused_too(value):
     for option in ("tap_logits", "tap_layers", "tap_positions", "tap_dtype", "tap_key"):
         with pytest.raises(CaptureOptionError, match=f"^{option}:"):
             parse_capture_spec({option: value}, SERVER, VOCAB)
+
+
+def test_every_spec_the_options_accept_fits_what_a_ring_reader_takes():
+    # The longest indices list of the largest ids a vocabulary can hold, the longest key (4-byte
+    # characters), the most layers: its BEGIN's spec is still under the reader's bound.
+    big = ServerCaptureConfig(layers=tuple(range(1024)))
+    spec = parse_capture_spec({"tap_logits": "indices", "tap_indices": [(1 << 31) - 1] * MAX_INDICES,
+                               "tap_key": "\U0001f600" * MAX_KEY_CHARS, "tap_positions": "output[-1000000:]"}, big, None)
+    meta = spec.to_meta()
+    assert len(msgspec.msgpack.encode(meta)) <= MAX_SPEC_BYTES and CaptureSpec.from_meta(meta) == spec
+    with pytest.raises(CaptureOptionError, match=f"^tap_indices: {MAX_INDICES + 1} token ids; at most {MAX_INDICES}"):
+        parse_capture_spec({"tap_logits": "indices", "tap_indices": [1] * (MAX_INDICES + 1)}, SERVER, VOCAB)
 
 
 def test_misspelled_option_is_named_with_a_suggestion():

@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 import msgspec
 
 from vllm_tap.ring import DEFAULT_SHM_DIR
+from vllm_tap.ring_schema import MAX_SPEC_BYTES
 from vllm_tap.windows import UNBOUNDED, SYNTAX_HELP, Window
 
 
@@ -64,6 +65,11 @@ SERVER_CONFIG_KEY = "vllm_tap"  # --additional-config '{"vllm_tap": {...}}'
 DEFAULT_RING_BYTES = 256 << 20
 RESERVED_PREFIX = "vllm_tap"  # extra_args keys only the tap itself may write
 MAX_KEY_CHARS = 256
+# A spec travels in every BEGIN and END record, where a reader takes at most MAX_SPEC_BYTES of it
+# (ring_schema). A token id takes at most 5 bytes of msgpack, so this many leave room for the rest;
+# parse_options also measures the whole spec, so whatever the API process accepts the daemon takes.
+MAX_INDICES = 8192
+assert 5 * MAX_INDICES + 8 * MAX_KEY_CHARS < MAX_SPEC_BYTES
 _MAX_ID = 1 << 31  # token ids and positions travel as int32
 _MAX_LAYER = 1 << 15  # layers travel as int16
 
@@ -179,7 +185,7 @@ OPTIONS = {
     "tap": "1 (JSON true) to capture with the defaults, 0 (false) alone to not capture; any other tap_* option also opts in",
     "tap_logits": "'full' | 'none' | 'topk' | 'indices'",
     "tap_topk": "k for tap_logits='topk' (an integer, 1..vocab size)",
-    "tap_indices": "a list of token ids for tap_logits='indices'",
+    "tap_indices": f"a list of at most {MAX_INDICES} token ids for tap_logits='indices'",
     "tap_layers": "'all' | 'none' | a list of layer numbers the server exposes",
     "tap_positions": SYNTAX_HELP,
     "tap_dtype": "'auto' | 'float32'",
@@ -241,7 +247,10 @@ def parse_options(
     if logits == LogitsMode.INDICES:
         if "indices" not in opts:
             raise CaptureOptionError(f"{name('indices')}: required with {name('logits')}='indices' (a list of token ids)")
-        idx = _int_list(name("indices"), opts["indices"], "token ids")
+        raw_idx = opts["indices"]
+        if isinstance(raw_idx, (list, tuple)) and len(raw_idx) > MAX_INDICES:
+            raise CaptureOptionError(f"{name('indices')}: {len(raw_idx)} token ids; at most {MAX_INDICES} per capture")
+        idx = _int_list(name("indices"), raw_idx, "token ids")
         if not idx:
             raise CaptureOptionError(f"{name('indices')}: must name at least one token id")
         hi = vocab_size or _MAX_ID
@@ -277,7 +286,12 @@ def parse_options(
         raise CaptureOptionError(f"{name('key')}: expected a string of at most {MAX_KEY_CHARS} characters, got {key!r}")
     if logits == LogitsMode.NONE and not layers:
         raise CaptureOptionError(f"{name('logits')}: 'none' with no layers captures nothing; ask for logits or {name('layers')}")
-    return CaptureSpec(logits, topk, indices, layers, positions, dtype, key, source)
+    spec = CaptureSpec(logits, topk, indices, layers, positions, dtype, key, source)
+    size = len(msgspec.msgpack.encode(spec.to_meta()))
+    if size > MAX_SPEC_BYTES:  # the bounds above keep it far below; a reader would refuse the capture
+        raise CaptureOptionError(f"{name('indices' if indices else 'layers')}: the capture spec would take {size} "
+                                 f"bytes; at most {MAX_SPEC_BYTES}")
+    return spec
 
 
 def _unknown_option(key: str) -> CaptureOptionError:
