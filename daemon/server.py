@@ -300,8 +300,8 @@ class Daemon:
             if curve is not None:
                 curve.apply(sock)
             try:
-                sock.bind(self.endpoint)
-            except zmq.ZMQError as e:
+                self._peers.bind()
+            except (zmq.ZMQError, OSError) as e:
                 raise DaemonError(f"cannot listen on {self.endpoint}: {e}") from None
             narrow_socket(self.endpoint, gid)
             self._sock = sock
@@ -324,10 +324,12 @@ class Daemon:
                 self._sock = None
                 if self.arena is not None:
                     self.arena.close()  # also when start-up failed after making it
-                if self._peers is not None:
-                    self._peers.close()
-                    self._peers = None
+                peers, self._peers = self._peers, None
+                if peers is not None:
+                    peers.close()
                 sock.close(linger=0)
+                if peers is not None:
+                    peers.close_gate()
                 ctx.term()
                 self.watch.close()  # watch: a clean stop persists the last number used
         log.info("stopped: %s", self._stop_reason)
