@@ -130,6 +130,26 @@ def test_every_spec_the_options_accept_fits_what_a_ring_reader_takes():
         parse_capture_spec({"tap_logits": "indices", "tap_indices": [1] * (MAX_INDICES + 1)}, SERVER, VOCAB)
 
 
+@pytest.mark.parametrize("window", ["output[-\u0661\u0666:]", "all[\uff11:\uff13]", "output[-16:]\n", "all\n",
+                                    "prompt[\u0967:]", "all[1:3] ", "all[00000000001:]", "all[1" + "0" * 40 + ":]"])
+def test_windows_take_ascii_digits_only_and_nothing_after(window):
+    with pytest.raises(CaptureOptionError, match="^tap_positions:"):
+        parse_capture_spec({"tap_positions": window}, SERVER, VOCAB)
+
+
+@pytest.mark.parametrize("option, value", [("tap_positions", "x" * (1 << 20)), ("tap_key", "k" * (1 << 20)),
+                                           ("tap_layers", list(range(1 << 17))), ("tap_dtype", "f" * (1 << 20)),
+                                           ("tap_indices", ["1"] * (1 << 10)), ("tap" + "x" * (1 << 20), 1),
+                                           ("tap_logits", "n" * (1 << 20)), ("tap", "1" * (1 << 20))],
+                         ids=["positions", "key", "layers", "dtype", "indices", "unknown-option", "logits", "tap"])
+def test_an_error_echoes_a_huge_value_cut_short(option, value):
+    extra = {**NEEDS.get(option, {}), option: value}
+    with pytest.raises(CaptureOptionError) as e:
+        parse_capture_spec(extra, SERVER, VOCAB)
+    assert len(str(e.value)) < 1024, len(str(e.value))
+    assert str(e.value).startswith(option[:20])
+
+
 def test_misspelled_option_is_named_with_a_suggestion():
     with pytest.raises(CaptureOptionError, match=r"^tapkey: unknown capture option \(did you mean 'tap_key'\?\)"):
         parse_capture_spec({"tapkey": "job-1"}, SERVER, VOCAB)
