@@ -14,6 +14,8 @@ Rules this module keeps:
   (delivered as frames): slower, never lost. Should a region still fail to take a read (EFAULT),
   that is the daemon's own memory: the ring reader reads the record privately and `write_failed`
   counts it; the ring is never blamed.
+- A freed region is zeroed at once (after its generation moves): the file never keeps the values
+  of a capture the daemon let go (evicted, or finished and no longer pinned).
 - Regions are freed by the garbage collector: each region's arrays keep a small owner object
   alive, whose finalizer returns the region and bumps its generation. So every holder in the
   daemon (reassembly, the store's history, watch cursors, a frame zmq has not sent yet) pins what
@@ -310,6 +312,10 @@ class Arena:
         # The generation first: a reader that copied from the region before this store sees the
         # old value; any byte written into it after this comes after the new value (x86-64 TSO).
         self._gens[b] += 1
+        # Nothing in the daemon holds it any more (a pin neither): what it held goes, so the file a
+        # subscriber group may map never shows an evicted or finished capture (one pass over
+        # memory the daemon just stopped using; its pages stay reserved, unlike a punched hole).
+        ctypes.memset(self._data_addr + b * af.BLOCK, 0, blocks * af.BLOCK)
         self.allocated_bytes -= blocks * af.BLOCK
         self.regions -= 1
         self._give_range(b, b + blocks)
