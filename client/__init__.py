@@ -21,7 +21,7 @@ from typing import Any
 
 from vllm_tap.client.aio import AsyncClient, AsyncSubscription
 from vllm_tap.client.errors import (
-    AmbiguousCapture, CaptureEvicted, CaptureLost, CaptureNotFound, DaemonStopped, DaemonUnavailable,
+    AmbiguousCapture, CaptureEvicted, CaptureLost, CaptureNotFound, CaptureTimeout, DaemonStopped, DaemonUnavailable,
     KeyFileError, ProtocolError, Refused, TapError, TooSlow,
 )
 from vllm_tap.client.records import Capture, CaptureBegin, CaptureEnd, Chunk, Gap, TokenRecord
@@ -47,7 +47,7 @@ def status(timeout: float = 5.0) -> dict[str, Any]:
 
 __all__ = [
     "AmbiguousCapture", "AsyncClient", "AsyncSubscription", "Capture", "CaptureBegin", "CaptureEnd", "CaptureEvicted",
-    "CaptureLost", "CaptureNotFound", "Chunk", "Client", "DaemonStopped", "DaemonUnavailable", "ENDPOINT_ENV", "Gap", "KeyFileError",
+    "CaptureLost", "CaptureNotFound", "CaptureTimeout", "Chunk", "Client", "DaemonStopped", "DaemonUnavailable", "ENDPOINT_ENV", "Gap", "KeyFileError",
     "ProtocolError", "Refused", "Subscription", "TapError", "TokenRecord", "TooSlow", "fetch", "resolve_endpoint", "status",
     "subscribe",
     # watch: every capture, resumable (vllm_tap.client.watch)

@@ -46,7 +46,7 @@ class AsyncSubscription(SubscriptionView):
         try:
             await _send(sock, st.start(loop.time()))
             while not st.done:
-                if await sock.poll(int(st.heartbeat_s * 1000), zmq.POLLIN):
+                if await sock.poll(st.wait_ms(loop.time()), zmq.POLLIN):
                     frames = await sock.recv_multipart(copy=False)
                     for item in st.on_frames(frames, loop.time()):
                         yield item
@@ -102,7 +102,9 @@ class AsyncClient:
 
     async def fetch(self, name: str, index: int | None = None, instance: str | None = None,
                     timeout: float = 30.0) -> Capture:
-        sub = self.subscribe(name, index, instance, timeout)
+        """Client.fetch: `timeout` bounds the whole call (CaptureNotFound, CaptureTimeout)."""
+        sub = AsyncSubscription(self._ctx, StreamState(self.endpoint, name, index, instance, timeout, self.heartbeat_s,
+                                                       overall=timeout))
         builder = CaptureBuilder()
         async for item in sub.chunks():
             builder.add(item)

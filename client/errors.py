@@ -13,6 +13,10 @@ class CaptureNotFound(TapError, TimeoutError):
     """No capture by that name appeared within the timeout (or no daemon answered)."""
 
 
+class CaptureTimeout(TapError, TimeoutError):
+    """fetch(): the capture began but had not ended when its `timeout` (the whole call's) ran out."""
+
+
 class CaptureEvicted(CaptureNotFound):
     """The capture ended and the daemon no longer keeps it (retain_bytes / retain_ttl_s)."""
 

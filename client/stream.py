@@ -21,7 +21,9 @@ from vllm_tap.positions import PositionRanges
 from vllm_tap.defaults import default_endpoint
 
 from vllm_tap.client.arena import OVERWRITTEN, ArenaUse
-from vllm_tap.client.errors import CaptureLost, CaptureNotFound, DaemonUnavailable, ProtocolError, Refused, error_for
+from vllm_tap.client.errors import (
+    CaptureLost, CaptureNotFound, CaptureTimeout, DaemonUnavailable, ProtocolError, Refused, error_for,
+)
 from vllm_tap.client.records import CaptureBegin, CaptureEnd, Chunk, Gap, widen
 
 log = logging.getLogger(__name__)
@@ -86,14 +88,20 @@ def decode_chunk(h: dict[str, Any], frames: Sequence[Any], arena: ArenaUse | Non
 
 
 class StreamState:
+    """`timeout`: how long the capture may take to appear (and the daemon to stay silent).
+    `overall`: fetch()'s deadline for the whole call, from start() to the END (None: none)."""
+
     def __init__(self, endpoint: str, name: str, index: int | None, instance: str | None, timeout: float,
-                 heartbeat_s: float = HEARTBEAT_S):
+                 heartbeat_s: float = HEARTBEAT_S, overall: float | None = None):
         self.endpoint = endpoint
         self.name = name
         self.index = index
         self.instance = instance
         self.timeout = timeout
         self.heartbeat_s = heartbeat_s
+        self.overall = overall
+        self._deadline = float("inf")
+        self.received = 0  # positions that arrived as data
         self.sub_id = (os.getpid() << 20) + next(_ids)
         self.arena = ArenaUse(endpoint)  # same host: arrays are copied out of the daemon's shared memory
         self.outbox: list[list[bytes]] = []  # messages on_frames wants sent (the caller sends them)
@@ -109,7 +117,23 @@ class StreamState:
 
     def start(self, now: float) -> list[bytes]:
         self._t0 = self._heard = now
+        if self.overall is not None:
+            self._deadline = now + self.overall
         return self._subscribe(self.timeout)
+
+    def wait_ms(self, now: float) -> int:
+        """How long the caller may wait for the next message: a heartbeat, or less before the deadline."""
+        return max(0, int(min(self.heartbeat_s, self._deadline - now) * 1000))
+
+    def _check_deadline(self, now: float) -> None:
+        if now < self._deadline or self.done:
+            return
+        if self.begin is None:
+            raise self._not_found(self.overall)
+        raise CaptureTimeout(
+            f"capture {self._what()} did not end within {self.overall:g} s ({self.received} positions arrived, "
+            f"the next expected is {self.next_position}); a capture that runs longer needs a larger timeout, "
+            "or subscribe() to stream it")
 
     def _subscribe(self, timeout: float) -> list[bytes]:
         return wf.Subscribe(self.sub_id, self.name, self.index, self.instance, self.next_position,
@@ -120,13 +144,11 @@ class StreamState:
 
     def on_silence(self, now: float) -> list[bytes]:
         """Frames to resend after `heartbeat_s` without a message; raises once it is hopeless."""
+        self._check_deadline(now)
         what = self._what()
         if self.begin is None:
             if now - self._t0 > self.timeout + self.heartbeat_s:
-                raise CaptureNotFound(
-                    f"no capture named {what} within {self.timeout:g} s (and no answer from a daemon at "
-                    f"{self.endpoint}: is `vllm-tap daemon` running?)"
-                )
+                raise self._not_found(self.timeout)
             return self._subscribe(self.timeout - (now - self._t0))
         silent = now - self._heard
         if silent > max(self.timeout, 3 * self.heartbeat_s):
@@ -138,6 +160,10 @@ class StreamState:
         # restarted daemon that never sees this capture again says so once that time is up.
         return self._subscribe(max(self.timeout, 3 * self.heartbeat_s) - silent)
 
+    def _not_found(self, waited: float) -> CaptureNotFound:
+        return CaptureNotFound(f"no capture named {self._what()} within {waited:g} s (and no answer from a daemon "
+                               f"at {self.endpoint}: is `vllm-tap daemon` running?)")
+
     def _what(self) -> str:
         return repr(self.name) + (f" index {self.index}" if self.index is not None else "") + (
             f" in instance {self.instance!r}" if self.instance is not None else "")
@@ -145,6 +171,11 @@ class StreamState:
     # -- what came --
 
     def on_frames(self, frames: Sequence[Any], now: float) -> list[Chunk | Gap]:
+        out = self._on_frames(frames, now)
+        self._check_deadline(now)  # a stream that never ends is bounded too, not only silence
+        return out
+
+    def _on_frames(self, frames: Sequence[Any], now: float) -> list[Chunk | Gap]:
         try:
             h = wf.unpack_header(_bytes(frames[0]))
         except wf.WireError as e:
@@ -207,6 +238,7 @@ class StreamState:
             return self._gap(rid, start, start + count, OVERWRITTEN)
         at, out = self._advance(start, start + count, rid)
         self.next_position = start + count
+        self.received += start + count - at
         out.append(chunk.cut(at))
         return out
 

@@ -54,7 +54,7 @@ class Subscription(SubscriptionView):
                 try:  # poll only when nothing is waiting: a poll per message costs as much as the recv
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
-                    if not sock.poll(int(st.heartbeat_s * 1000), zmq.POLLIN):
+                    if not sock.poll(st.wait_ms(time.monotonic()), zmq.POLLIN):
                         _check_refused(mon, st.endpoint)
                         _send(sock, st.on_silence(time.monotonic()))
                     continue
@@ -123,13 +123,19 @@ class Client:
         """Stream a capture by any of its names (request id, response id, X-Request-Id, tap_key).
 
         Waits up to `timeout` for it to appear (CaptureNotFound after that); replays from the first
-        position if it started earlier or already ended; ends after the capture's end.
+        position if it started earlier or already ended; ends after the capture's end, however long
+        it streams.
         """
         return Subscription(self._ctx, StreamState(self.endpoint, name, index, instance, timeout, self.heartbeat_s))
 
     def fetch(self, name: str, index: int | None = None, instance: str | None = None, timeout: float = 30.0) -> Capture:
-        """The whole capture, stacked, once it has ended."""
-        sub = self.subscribe(name, index, instance, timeout)
+        """The whole capture, stacked, once it has ended.
+
+        `timeout` bounds the whole call: the capture must appear and end within it (CaptureNotFound
+        if it did not appear, CaptureTimeout if it began but had not ended). A capture of a long
+        generation needs a timeout as long as the generation; subscribe() streams it without one."""
+        sub = Subscription(self._ctx, StreamState(self.endpoint, name, index, instance, timeout, self.heartbeat_s,
+                                                  overall=timeout))
         builder = CaptureBuilder()
         for item in sub.chunks():
             builder.add(item)

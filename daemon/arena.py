@@ -8,8 +8,14 @@ Rules this module keeps:
   not the shm directory, which subscribers may not enter. Files of earlier runs whose daemon is
   dead are removed at start; our own is removed at stop (clients that mapped it keep their mapping).
 - The daemon never faults on it: tmpfs pages are reserved with posix_fallocate, COMMIT_CHUNK at a
-  time, before a region in them is handed out. When /dev/shm is full, or the arena is, `alloc`
-  returns None and the caller keeps the array on its heap (delivered as frames): slower, never lost.
+  time, before a region in them is handed out, and a chunk counts as committed only once all of it
+  is reserved (reserve what you count: /dev/shm is world-writable and may fill at any moment). When
+  /dev/shm is full, or the arena is, `alloc` returns None and the caller keeps the array on its heap
+  (delivered as frames): slower, never lost. Should a region still fail to take a read (EFAULT),
+  that is the daemon's own memory: the ring reader reads the record privately and `write_failed`
+  counts it; the ring is never blamed.
+- A freed region is zeroed at once (after its generation moves): the file never keeps the values
+  of a capture the daemon let go (evicted, or finished and no longer pinned).
 - Regions are freed by the garbage collector: each region's arrays keep a small owner object
   alive, whose finalizer returns the region and bumps its generation. So every holder in the
   daemon (reassembly, the store's history, watch cursors, a frame zmq has not sent yet) pins what
@@ -125,6 +131,7 @@ class Arena:
         self.regions = 0
         self.allocations = 0
         self.fallbacks = 0  # arrays kept on the heap because the arena (or /dev/shm) was full
+        self.write_failures = 0  # of those: regions handed out that could not be written (write_failed)
         self.committed_bytes = 0
         self._closed = False
         self._warned = False
@@ -305,6 +312,10 @@ class Arena:
         # The generation first: a reader that copied from the region before this store sees the
         # old value; any byte written into it after this comes after the new value (x86-64 TSO).
         self._gens[b] += 1
+        # Nothing in the daemon holds it any more (a pin neither): what it held goes, so the file a
+        # subscriber group may map never shows an evicted or finished capture (one pass over
+        # memory the daemon just stopped using; its pages stay reserved, unlike a punched hole).
+        ctypes.memset(self._data_addr + b * af.BLOCK, 0, blocks * af.BLOCK)
         self.allocated_bytes -= blocks * af.BLOCK
         self.regions -= 1
         self._give_range(b, b + blocks)
@@ -327,10 +338,24 @@ class Arena:
         return True
 
     def _mark_committed(self, start: int, n: int) -> None:
-        for c in range(start // COMMIT_CHUNK, (start + n - 1) // COMMIT_CHUNK + 1):
-            if not self._committed[c]:
+        """Chunks that [start, start + n) reserved whole. One it reserved only part of stays
+        uncommitted: _commit reserves all of it before a region in it is handed out (a chunk counted
+        but not reserved is a page the daemon faults on, or fails to read into, when tmpfs is full)."""
+        end = start + n
+        for c in range(start // COMMIT_CHUNK, (end - 1) // COMMIT_CHUNK + 1):
+            lo, hi = c * COMMIT_CHUNK, min((c + 1) * COMMIT_CHUNK, self.file_size)
+            if not self._committed[c] and start <= lo and hi <= end:
                 self._committed[c] = 1
-                self.committed_bytes += min(COMMIT_CHUNK, self.file_size - c * COMMIT_CHUNK)
+                self.committed_bytes += hi - lo
+
+    def write_failed(self, n: int, why: str) -> None:
+        """`n` arrays could not be read into their regions (memory of the daemon's own that it could
+        not write): they were read into the heap instead and go as frames; counted as fallbacks."""
+        if not self.write_failures:
+            log.error("delivery arena %s: %s; read those arrays into the heap instead (frames; `vllm-tap status` "
+                      "counts them as arena write_failures)", self.path, why)
+        self.fallbacks += n
+        self.write_failures += n
 
     def _warn(self, why: str) -> None:
         if not self._warned:
@@ -341,7 +366,8 @@ class Arena:
     def snapshot(self) -> dict[str, Any]:
         return {"path": self.path, "id": f"{self.arena_id:016x}", "capacity": self.capacity,
                 "allocated_bytes": self.allocated_bytes, "peak_bytes": self.peak_bytes, "regions": self.regions,
-                "allocations": self.allocations, "fallbacks": self.fallbacks, "committed_bytes": self.committed_bytes}
+                "allocations": self.allocations, "fallbacks": self.fallbacks,
+                "write_failures": self.write_failures, "committed_bytes": self.committed_bytes}
 
 
 def remove_stale(dir_fd: int, directory: str) -> None:

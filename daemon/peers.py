@@ -12,13 +12,18 @@ idle connections must never reach the descriptor limit. Rules this module keeps:
   libzmq closes a refused connection and the peer's monitor reports the refusal (the client turns
   it into an error; the daemon's log says which it was). Monitor events are drained before ZAP requests, so the connection being decided is
   already counted.
-- Half the descriptor limit is kept free: when accepted connections reach the other half, the
-  listener is closed (unbind) until they fall back, so accept() does not meet EMFILE. libzmq
-  accepts on its own thread while this loop decides, so the free half is the room for a burst
-  that arrives faster than the loop reacts (32,768 connections under the shipped units). Closing the listener also
-  drops the connections still in their handshake without a monitor event, so while it is closed
-  the counted descriptors are checked again (nothing new is accepted meanwhile, so a descriptor
-  that is still a socket to the same peer is still that connection).
+- Half the descriptor limit is kept free: when accepted connections reach the other half,
+  accepting stops until they fall back, so accept() does not meet EMFILE. libzmq accepts on its own
+  thread, so the free half is the room for a burst that arrives faster than we react (32,768
+  connections under the shipped units). On a filesystem ipc:// socket the reaction does not wait
+  for the daemon's loop, which may be busy or starved by the flood itself: a thread of its own
+  reads the monitor, counts, and pauses the listener in one system call (daemon/accept_gate.py);
+  connections that arrive meanwhile are refused (closed at once) while every connection already
+  accepted keeps being served. Elsewhere (tcp://, whose libzmq listener survives EMFILE, and
+  abstract ipc://) the loop closes the listener (unbind), which also drops the connections still
+  in their handshake without a monitor event. While accepting is stopped the counted descriptors
+  are checked again (nothing new is accepted meanwhile, so a descriptor that is still a socket to
+  the same peer is still that connection).
 """
 
 from __future__ import annotations
@@ -28,12 +33,17 @@ import logging
 import os
 import socket
 import struct
+import sys
+import threading
 import time
 from typing import Any, Callable
 
 import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
+
+from vllm_tap.daemon.accept_gate import AcceptGate
+from vllm_tap.daemon.access import socket_path
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +52,7 @@ ZAP_DOMAIN = b"vllm-tap"
 FD_MARGIN = 128  # descriptors always kept for rings, pidfds and libzmq's own
 RESUME_AT = 0.9  # accept again below this share of the descriptor budget
 RECHECK_S = 0.5  # while not accepting, how often the counted descriptors are checked again
+SWITCH_INTERVAL_S = 0.0005  # the longest the loop holds the GIL while the connection watcher waits for it
 HANDSHAKE_IVL_MS = 5000  # a connection that does not complete its handshake in this long is closed
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 STATUS_KEY_REFUSED = b"400"  # ZAP: authentication failed (the client's key is not allowed)
@@ -90,9 +101,58 @@ class Peers:
         self.paused = False
         self._rechecked = 0.0
         self._log_refusals = 20
+        self._paused_logged = False
+        # Counts are shared with the monitor thread (when there is a gate).
+        self._lock = threading.RLock()
+        self.gate: AcceptGate | None = None
+        self._watcher: threading.Thread | None = None
+        self._stop = False
+
+    def bind(self) -> None:
+        """Listen: through an AcceptGate on a filesystem ipc:// socket (and count from a thread of
+        its own), else zmq's own listener (counted by pump())."""
+        path = socket_path(self._endpoint)
+        if path is not None:
+            self.gate = AcceptGate(path)
+            self._router.setsockopt(zmq.USE_FD, self.gate.fd)
+        self._router.bind(self._endpoint)
+        if self.gate is not None:
+            # The watcher waits for the GIL after every wake-up; by default the loop may hold it 5 ms,
+            # time for a flood to open hundreds of connections. Nothing else here waits for it often.
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+            self._watcher = threading.Thread(target=self._watch, name="vllm-tap-connections", daemon=True)
+            self._watcher.start()
 
     def sockets(self) -> list[zmq.Socket]:
-        return [self.monitor, self.zap]
+        return [self.zap] if self._watcher is not None else [self.monitor, self.zap]
+
+    def _watch(self) -> None:
+        """The monitor, read as events come (a blocking poll releases the GIL): count, and pause the
+        gate the moment the budget is reached, whatever the daemon's loop is doing."""
+        while not self._stop:
+            try:
+                if not self.monitor.poll(200):
+                    continue
+            except zmq.ZMQError:
+                continue
+            # Everything queued, at once: each wait for the GIL costs a switch interval, in which a
+            # flood opens hundreds of connections.
+            with self._lock:
+                if self._descriptors_short() and self.gate is not None and self.gate.pause():
+                    self.paused = True
+                for _ in range(100_000):
+                    try:
+                        msg = self.monitor.recv_multipart(zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        break
+                    self._event(parse_monitor_message(msg))
+                    if self.total >= self.fd_budget and self.gate is not None and self.gate.pause():
+                        self.paused = True
+
+    def _descriptors_short(self) -> bool:
+        """Whether the lowest free descriptor number (what accept() gets next) is past the budget:
+        exact, where the monitor's counts lag (and drop events when its queue is full)."""
+        return self.gate is not None and self.gate.lowest_free() >= self.fd_budget + FD_MARGIN
 
     @property
     def peers(self) -> int:
@@ -101,21 +161,22 @@ class Peers:
     def pump(self, budget: int = 1000) -> bool:
         """Handle what the monitor and the ZAP socket hold; True if anything was."""
         busy = False
-        for _ in range(budget):
-            try:
-                msg = self.monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            busy = True
-            self._event(parse_monitor_message(msg))
-        for _ in range(budget):
-            try:
-                req = self.zap.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            busy = True
-            self._zap(req)
-        self._flow()
+        with self._lock:
+            for _ in range(budget if self._watcher is None else 0):
+                try:
+                    msg = self.monitor.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                busy = True
+                self._event(parse_monitor_message(msg))
+            for _ in range(budget):
+                try:
+                    req = self.zap.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                busy = True
+                self._zap(req)
+            self._flow()
         return busy
 
     def _event(self, ev: dict) -> None:
@@ -135,7 +196,7 @@ class Peers:
                 del self._per_peer[peer]
             self.total = max(self.total - 1, 0)
 
-    def _zap(self, req: list[bytes]) -> None:
+    def _zap(self, req: list[bytes]) -> None:  # under self._lock (pump)
         if len(req) < 6:
             return
         version, rid, _domain, address = req[0], req[1], req[2], req[3].decode(errors="replace")
@@ -162,15 +223,20 @@ class Peers:
             self.zap.send_multipart([version, rid, b"200", b"OK", b"", b""])
 
     def _flow(self) -> None:
-        """Close the listener before accept() could run out of descriptors; reopen it below the mark."""
+        """Stop accepting before accept() could run out of descriptors; accept again below the mark."""
         if not self.paused and self.total >= self.fd_budget:
             try:
-                self._router.unbind(self._endpoint)
+                if self.gate is not None:
+                    self.gate.pause()
+                else:
+                    self._router.unbind(self._endpoint)
                 self.paused = True
-                log.error("%d connections: not accepting more until some close (descriptor limit %d)",
-                          self.total, 2 * (self.fd_budget + FD_MARGIN))
-            except zmq.ZMQError as e:
+            except (zmq.ZMQError, OSError) as e:
                 log.error("cannot pause accepting connections: %s", e)
+        if self.paused and not self._paused_logged:
+            self._paused_logged = True
+            log.error("%d connections: not accepting more until some close (descriptor limit %d)",
+                      self.total, 2 * (self.fd_budget + FD_MARGIN))
         elif self.paused and time.monotonic() - self._rechecked >= RECHECK_S:
             self._rechecked = time.monotonic()
             for fd, peer in list(self._by_fd.items()):
@@ -178,18 +244,35 @@ class Peers:
                     self._event({"event": zmq.EVENT_DISCONNECTED, "value": fd})
         if self.paused and self.total < RESUME_AT * self.fd_budget:
             try:
-                self._router.bind(self._endpoint)
-                if self._on_bind is not None:
-                    self._on_bind()
+                if self.gate is not None:
+                    self.gate.resume()
+                else:
+                    self._router.bind(self._endpoint)
+                    if self._on_bind is not None:
+                        self._on_bind()
                 self.paused = False
-                log.info("accepting connections again (%d open)", self.total)
-            except zmq.ZMQError as e:
+                self._paused_logged = False
+                log.info("accepting connections again (%d open%s)", self.total,
+                         f"; {self.gate.refused} refused meanwhile" if self.gate is not None else "")
+            except (zmq.ZMQError, OSError) as e:
                 log.error("cannot listen again on %s: %s", self._endpoint, e)
 
     def close(self) -> None:
+        """Before the router closes: its listener must be the real one again (libzmq removes that
+        from its poller, and aborts if the number names another)."""
+        self._stop = True
+        if self._watcher is not None:
+            self._watcher.join(2.0)
+        if self.gate is not None:
+            self.gate.resume()
         try:
             self._router.disable_monitor()
         except zmq.ZMQError:
             pass
         self.monitor.close(linger=0)
         self.zap.close(linger=0)
+
+    def close_gate(self) -> None:
+        """After the router closed: the gate's drain thread and socket file go too."""
+        if self.gate is not None:
+            self.gate.close()

@@ -157,6 +157,7 @@ class _Ring:
     checked: float = 0.0
     pidfd: int | None = None
     exited_at_cursor: int | None = None  # where the ring was when its writer's pidfd said it exited
+    sink_failures: int = 0  # reader.sink_failures already counted by the arena
 
     @property
     def path(self) -> str:
@@ -299,8 +300,8 @@ class Daemon:
             if curve is not None:
                 curve.apply(sock)
             try:
-                sock.bind(self.endpoint)
-            except zmq.ZMQError as e:
+                self._peers.bind()
+            except (zmq.ZMQError, OSError) as e:
                 raise DaemonError(f"cannot listen on {self.endpoint}: {e}") from None
             narrow_socket(self.endpoint, gid)
             self._sock = sock
@@ -323,10 +324,12 @@ class Daemon:
                 self._sock = None
                 if self.arena is not None:
                     self.arena.close()  # also when start-up failed after making it
-                if self._peers is not None:
-                    self._peers.close()
-                    self._peers = None
+                peers, self._peers = self._peers, None
+                if peers is not None:
+                    peers.close()
                 sock.close(linger=0)
+                if peers is not None:
+                    peers.close_gate()
                 ctx.term()
                 self.watch.close()  # watch: a clean stop persists the last number used
         log.info("stopped: %s", self._stop_reason)
@@ -662,6 +665,10 @@ class Daemon:
         except (RingBroken, OSError) as e:
             self._break(ring, time.monotonic(), str(e))
             return 0
+        if ring.reader.sink_failures != ring.sink_failures and self.arena is not None:
+            self.arena.write_failed(ring.reader.sink_failures - ring.sink_failures,
+                                    "a region handed out could not be written (EFAULT)")
+            ring.sink_failures = ring.reader.sink_failures
         reasm = self._reassembler(ring.instance)
         now = time.monotonic()  # the read time: delivery latency is measured from here
         rejections = ring.reader.rejections

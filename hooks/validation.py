@@ -24,6 +24,7 @@ from vllm_tap.hooks.settings import SPEC_EXTRA_ARG, server_config
 from vllm_tap.identity import N_EXTRA_ARG
 from vllm_tap.policy import choose_spec
 from vllm_tap.spec import CaptureOptionError, CaptureSpec, is_reserved_key, wants_capture
+from vllm_tap.windows import shown
 
 log = logging.getLogger("vllm_tap.hooks")
 
@@ -76,7 +77,7 @@ def _decide(proc, request_id: str, params) -> CaptureSpec | None:
     if extra:
         reserved = sorted(k for k in extra if is_reserved_key(k))
         if reserved:
-            raise _reject(f"{reserved[0]}: reserved for vllm-tap's own use; capture options are the tap* keys")
+            raise _reject(f"{shown(reserved[0])[1:-1]}: reserved for vllm-tap's own use; capture options are the tap* keys")
     if not isinstance(params, SamplingParams):
         if extra and wants_capture(extra):
             raise _reject("capture options (tap*) apply to generation requests only")

@@ -301,6 +301,30 @@ def test_a_subscriber_within_the_linger_gets_everything_after_retention_dropped_
     assert np.concatenate([payload for _, _, payload in items]).tobytes() == exp.tobytes()
 
 
+def test_an_evicted_capture_leaves_nothing_readable_in_the_arena_file(daemon_factory, shm_dir):
+    # A subscriber reads a capture through the arena, retention then evicts it (the client is told
+    # CaptureEvicted): none of its values may still be in the file a subscriber group can map.
+    from vllm_tap.client import CaptureEvicted
+
+    sc = Scenario(tp=1, n_requests=1, vocab=4096, hidden=64, layers=(0,), prefix="secret")
+    d = daemon_factory(end_grace_s=1.0, retain_ttl_s=1.0, arena_linger_s=0, arena_bytes=64 << 20)
+    got = _fetch_all(d.endpoint, sc, shm_dir, status=d.status)
+    assert_capture(sc, 0, got[sc.request_id(0)][0])
+    s = d.status()
+    assert s["arena_messages"] > 0
+    path = s["arena"]["path"]
+    _wait(lambda: d.status()["evicted_requests"] >= 1, what="retention to evict")
+    with pytest.raises(CaptureEvicted):
+        Client(d.endpoint).fetch(sc.request_id(0), timeout=5)
+    _wait(lambda: d.status()["arena"]["regions"] == 0, what="every region to be freed")
+    with open(path, "rb") as f:
+        data = f.read()
+    exp = expected(sc, 0)
+    for name in ("logits", "hidden.0"):
+        row = exp[name][3].tobytes()  # one whole row of the capture
+        assert row not in data, f"{name} of the evicted capture is still in {path}"
+
+
 def test_allocator_generations_move_when_a_region_is_freed(shm_dir):
     a = Arena.create(shm_dir, 4 << 20)
     try:

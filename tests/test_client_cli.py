@@ -183,6 +183,50 @@ def test_async_client(daemon_proc, shm_dir):
     assert end.reason == "length" and status["retained_requests"] == 2
 
 
+def _fetch_both_ways(endpoint: str, name: str, timeout: float, q) -> None:
+    """A subscriber process: fetch with the blocking and the asyncio client, report how each ended."""
+    import asyncio
+
+    from vllm_tap.client import AsyncClient, Client
+
+    async def fetch_async():
+        return await AsyncClient(endpoint).fetch(name, timeout=timeout)
+
+    for fetch in (lambda: Client(endpoint).fetch(name, timeout=timeout), lambda: asyncio.run(fetch_async())):
+        try:
+            cap = fetch()
+            q.put(("returned", cap.positions.tolist(), False))
+        except Exception as e:
+            q.put((type(e).__name__, str(e), isinstance(e, TimeoutError)))
+
+
+def test_fetch_timeout_bounds_the_whole_call_when_the_end_never_comes(daemon_proc, shm_dir):
+    # BEGIN and the first positions, then nothing: the writer lives on, its END is lost and no
+    # LIVE record says the request is gone. Without an overall deadline fetch() waits for ever.
+    import multiprocessing as mp
+
+    sc = Scenario(tp=1, n_requests=1, prompt_len=6, gen_len=4)
+    eng = SyntheticEngine(sc, shm_dir)
+    eng.begin()
+    eng.run_step()
+    eng.run_step()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_fetch_both_ways, args=(daemon_proc.endpoint, sc.request_id(0), 2.0, q))
+    p.start()
+    try:
+        p.join(60)  # a bound on a hang, many times the deadline: not a measure of speed
+        assert not p.is_alive(), "fetch(timeout=2) was still blocked after 60 s"
+        results = [q.get(timeout=5) for _ in range(2)]
+    finally:
+        if p.is_alive():
+            p.kill()
+        eng.close()
+    for kind, message, is_timeout in results:
+        assert kind == "CaptureTimeout" and is_timeout, (kind, message)
+        assert repr(sc.request_id(0)) in message and "within 2 s" in message and "6 positions" in message, message
+
+
 def test_status_without_a_daemon_is_a_clear_error(sock_dir):
     with pytest.raises(DaemonUnavailable, match="no daemon answered"):
         Client(f"ipc://{sock_dir}/none.sock").status(timeout=0.2)

@@ -138,6 +138,86 @@ def test_near_the_descriptor_limit_the_daemon_stops_accepting_instead_of_abortin
     assert d.client().fetch("after", timeout=10).complete
 
 
+def _connect_flood(path: str, n: int, q) -> None:
+    """A flooder process: n raw connections as fast as the kernel takes them, held a moment."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (8192, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    held = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+            held.append(s)
+        except OSError:
+            s.close()
+    q.put(len(held))
+    time.sleep(1)
+
+
+def _keep_busy(endpoint: str, n: int) -> None:
+    """Subscriptions for names that never come, as fast as they go: the daemon's loop has work."""
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, 0)
+    s.connect(endpoint)
+    for i in range(n):
+        s.send_multipart(wf.Subscribe(i, f"never-{i}", timeout=3600).frames())
+    time.sleep(2)
+    ctx.destroy(linger=0)
+
+
+def test_a_connection_flood_against_a_hard_limit_of_1024_never_aborts_and_connected_peers_are_served(
+        daemon_factory, shm_dir, many_fds):
+    # The hard limit cannot be raised; the loop is kept busy and four processes connect as fast as
+    # they can, three times over. Accepting must stop in time whatever the loop is doing, and a peer
+    # connected before keeps getting every answer meanwhile.
+    import multiprocessing as mp
+    import threading
+
+    d = daemon_factory(rlimits={"RLIMIT_NOFILE": (1024, 1024)}, max_connections_per_peer=4096,
+                       max_subscriptions_per_connection=1 << 20, max_subscriptions=1 << 20)
+    path = d.endpoint[len("ipc://"):]
+    peer = many_fds.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(d.endpoint)
+    answered, asked, stop = [], [], threading.Event()
+
+    def ask() -> None:
+        while not stop.is_set():
+            peer.send_multipart(wf.StatusRequest(len(asked)).frames())
+            asked.append(1)
+            if peer.poll(30000):
+                peer.recv_multipart()
+                answered.append(1)
+            else:
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=ask)
+    t.start()
+    ctx = mp.get_context("fork")
+    try:
+        for _ in range(3):
+            busy = ctx.Process(target=_keep_busy, args=(d.endpoint, 100_000))
+            busy.start()
+            q = ctx.Queue()
+            floods = [ctx.Process(target=_connect_flood, args=(path, 2000, q)) for _ in range(4)]
+            for p in floods:
+                p.start()
+            got = [q.get(timeout=120) for _ in floods]
+            for p in [*floods, busy]:
+                p.join(60)
+            assert d.alive(), f"the daemon died (exit {d.proc.returncode}) after {got} connections:\n{d.log()[-2000:]}"
+    finally:
+        stop.set()
+        t.join(60)
+    assert len(answered) == len(asked) > 0, (len(answered), len(asked))
+    assert "not accepting more" in d.log()
+    _wait(lambda: "accepting connections again" in d.log(), 30, "accepting again")
+    _capture(shm_dir, "after-flood")
+    assert d.client().fetch("after-flood", timeout=20).complete
+
+
 def test_a_frame_larger_than_the_limit_is_refused_before_it_is_buffered(daemon_factory, shm_dir, many_fds):
     d = daemon_factory(rlimits={"RLIMIT_AS": 3 << 30})
     before = _rss_peak_kib(d.proc.pid)

@@ -32,6 +32,7 @@ from test_spec import BAD, NEEDS
 from vllm_tap.client import CaptureNotFound
 from vllm_tap.client.records import CaptureBuilder
 from vllm_tap.policy import selects
+from vllm_tap.spec import MAX_INDICES
 from vllm_tap.tools.launch import ServerHandle, cpu_server_args, free_port, tap_server_args
 from vllm_tap.tools.tiny_model import TinyLlamaSpec, prompt_text
 
@@ -192,6 +193,24 @@ def test_a_client_may_send_a_capture_spec_only_as_tap_options(stack):
     """The internal key smuggled in with a valid-looking value, by HTTP: refused, never trusted."""
     status, body = stack.post({"prompt": "w5 w6", "vllm_xargs": {"vllm_tap_spec": "x"}})
     assert status == 400 and "vllm_tap_spec: reserved" in body["error"]["message"]
+    assert stack.alive()
+
+
+def test_whatever_the_api_accepts_the_daemon_takes_and_a_longer_indices_list_is_400_naming_the_limit(stack):
+    # At the limit (every id the largest msgpack form the vocabulary allows): HTTP 200, and the
+    # daemon delivers every position with every index.
+    ids = [SPEC.vocab_size - 1 - i % 200 for i in range(MAX_INDICES)]
+    r = stack.complete("w5 w6 w7", {"tap_logits": "indices", "tap_indices": ids, "tap_layers": "none"}, max_tokens=3)
+    cap = stack.client.fetch(r.id, timeout=60)
+    n = r.usage.prompt_tokens + 3 - 1  # the last generated token is never fed back
+    assert cap.complete and cap.positions.tolist() == list(range(n))
+    assert cap.chosen.shape == (n, MAX_INDICES)
+    # One more (and the 100,000 a client might send): refused by the API process, naming the limit.
+    for n in (MAX_INDICES + 1, 100_000):
+        status, body = stack.post({"prompt": "w5 w6", "vllm_xargs": {"tap_logits": "indices",
+                                                                     "tap_indices": [7] * n}})
+        assert status == 400, (n, status)
+        assert body["error"]["message"].startswith("tap_indices:") and str(MAX_INDICES) in body["error"]["message"]
     assert stack.alive()
 
 

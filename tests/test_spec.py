@@ -7,13 +7,16 @@ from __future__ import annotations
 import hashlib
 import string
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from vllm_tap.policy import choose_spec, selects
+from vllm_tap.ring_schema import MAX_SPEC_BYTES
 from vllm_tap.spec import (
-    OPTIONS, CaptureOptionError, CaptureSpec, LogitsMode, PositionsMode, ServerCaptureConfig, is_option_key,
+    MAX_INDICES, MAX_KEY_CHARS, OPTIONS, CaptureOptionError, CaptureSpec, LogitsMode, PositionsMode, ServerCaptureConfig,
+    is_option_key,
     parse_capture_spec,
 )
 from vllm_tap.windows import UNBOUNDED, Window
@@ -113,6 +116,38 @@ def test_offline_python_values_are_refused_too(value):
     for option in ("tap_logits", "tap_layers", "tap_positions", "tap_dtype", "tap_key"):
         with pytest.raises(CaptureOptionError, match=f"^{option}:"):
             parse_capture_spec({option: value}, SERVER, VOCAB)
+
+
+def test_every_spec_the_options_accept_fits_what_a_ring_reader_takes():
+    # The longest indices list of the largest ids a vocabulary can hold, the longest key (4-byte
+    # characters), the most layers: its BEGIN's spec is still under the reader's bound.
+    big = ServerCaptureConfig(layers=tuple(range(1024)))
+    spec = parse_capture_spec({"tap_logits": "indices", "tap_indices": [(1 << 31) - 1] * MAX_INDICES,
+                               "tap_key": "\U0001f600" * MAX_KEY_CHARS, "tap_positions": "output[-1000000:]"}, big, None)
+    meta = spec.to_meta()
+    assert len(msgspec.msgpack.encode(meta)) <= MAX_SPEC_BYTES and CaptureSpec.from_meta(meta) == spec
+    with pytest.raises(CaptureOptionError, match=f"^tap_indices: {MAX_INDICES + 1} token ids; at most {MAX_INDICES}"):
+        parse_capture_spec({"tap_logits": "indices", "tap_indices": [1] * (MAX_INDICES + 1)}, SERVER, VOCAB)
+
+
+@pytest.mark.parametrize("window", ["output[-\u0661\u0666:]", "all[\uff11:\uff13]", "output[-16:]\n", "all\n",
+                                    "prompt[\u0967:]", "all[1:3] ", "all[00000000001:]", "all[1" + "0" * 40 + ":]"])
+def test_windows_take_ascii_digits_only_and_nothing_after(window):
+    with pytest.raises(CaptureOptionError, match="^tap_positions:"):
+        parse_capture_spec({"tap_positions": window}, SERVER, VOCAB)
+
+
+@pytest.mark.parametrize("option, value", [("tap_positions", "x" * (1 << 20)), ("tap_key", "k" * (1 << 20)),
+                                           ("tap_layers", list(range(1 << 17))), ("tap_dtype", "f" * (1 << 20)),
+                                           ("tap_indices", ["1"] * (1 << 10)), ("tap" + "x" * (1 << 20), 1),
+                                           ("tap_logits", "n" * (1 << 20)), ("tap", "1" * (1 << 20))],
+                         ids=["positions", "key", "layers", "dtype", "indices", "unknown-option", "logits", "tap"])
+def test_an_error_echoes_a_huge_value_cut_short(option, value):
+    extra = {**NEEDS.get(option, {}), option: value}
+    with pytest.raises(CaptureOptionError) as e:
+        parse_capture_spec(extra, SERVER, VOCAB)
+    assert len(str(e.value)) < 1024, len(str(e.value))
+    assert str(e.value).startswith(option[:20])
 
 
 def test_misspelled_option_is_named_with_a_suggestion():

@@ -27,6 +27,7 @@ from typing import Any, Mapping
 from vllm_tap.spec import (
     CaptureOptionError, CaptureSpec, ServerCaptureConfig, client_options, opts_out, parse_capture_spec,
 )
+from vllm_tap.windows import shown
 
 
 def selects(request_id: str, share: float) -> bool:
@@ -50,7 +51,7 @@ def choose_spec(
     if policy.client == "refused":
         opts = client_options(extra_args)
         if opts:
-            raise CaptureOptionError(f"{sorted(opts)[0]}: this server does not take capture options from "
+            raise CaptureOptionError(f"{shown(sorted(opts)[0])[1:-1]}: this server does not take capture options from "
                                      "requests; its capture policy decides what is captured")
         return policy.spec if selects(request_id, policy.share) else None
     own = parse_capture_spec(extra_args, server, vocab_size)  # validated whatever the policy says

@@ -820,6 +820,7 @@ class RingReader:
         self.resumed = read > 0  # a previous reader consumed part of it (a restarted daemon)
         self.corrupt = 0
         self.rejected = 0
+        self.sink_failures = 0  # records the sink's arrays could not take (read privately instead)
         self.rejections: collections.deque = collections.deque(maxlen=_KEEP_REJECTIONS)
         self._scratch = np.empty(0, np.uint8)
         self._table_cache = ring_schema.TableCache()
@@ -843,6 +844,13 @@ class RingReader:
     def _pread_into(self, buf: np.ndarray, offset: int) -> None:
         n = len(buf)
         got = os.preadv(self._fd, [memoryview(buf)], offset) if n else 0
+        if got != n:
+            raise self._short(got, n, offset)
+
+    def _preadv(self, iov: list[memoryview], offset: int, n: int) -> None:
+        got = 0
+        for k in range(0, len(iov), _IOV_MAX):
+            got += os.preadv(self._fd, iov[k : k + _IOV_MAX], offset + got) if n else 0
         if got != n:
             raise self._short(got, n, offset)
 
@@ -1038,12 +1046,18 @@ class RingReader:
                     iov.append(memoryview(p).cast("B"))
                 else:  # a column slice: one piece per row
                     iov.extend(memoryview(row).cast("B") for row in p)
-            n = plan.payload_nbytes
-            got = 0
-            for k in range(0, len(iov), _IOV_MAX):
-                got += os.preadv(self._fd, iov[k : k + _IOV_MAX], off + got) if n else 0
-            if got != n:
-                raise self._short(got, n, off)
+            try:
+                self._preadv(iov, off, plan.payload_nbytes)
+            except OSError as e:
+                if e.errno != errno.EFAULT or sink is None:
+                    raise
+                # The sink's memory could not take the read (the daemon's arena, its tmpfs full
+                # under it): the reader's problem, not the ring's. Read it into private arrays.
+                self.sink_failures += 1
+                self._say("ring %s: the record at offset %d could not be read into its delivery arrays (%s); "
+                          "read into private memory instead", self.path, at, e.strerror)
+                parts = [np.empty(shape, plan.dtype) for shape in plan.part_shapes()]
+                self._preadv([memoryview(p).cast("B") for p in parts], off, plan.payload_nbytes)
             return plan.records(parts=parts)
         payload = np.empty(plan.payload_nbytes, np.uint8)
         self._pread_into(payload, off)

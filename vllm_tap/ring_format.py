@@ -187,6 +187,9 @@ KEY_SEPARATOR = b"\x00"
 REQUEST_FIELDS = ("request_id", "tap_key", "num_prompt_tokens", "expected_ranks", "rank_parts", "start", "tail",
                   "source")
 MAX_REQUESTS_PER_RECORD = 1 << 16
+# A capture spec as BEGIN and END records carry it (msgpack of CaptureSpec.to_meta(), a few hundred
+# bytes): readers refuse more, so the API process refuses a request whose spec would be larger.
+MAX_SPEC_BYTES = 64 << 10
 
 
 def msgpack_array_header(n: int) -> bytes:

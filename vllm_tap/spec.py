@@ -27,7 +27,8 @@ from typing import Any, Callable, Mapping
 import msgspec
 
 from vllm_tap.defaults import DEFAULT_SHM_DIR
-from vllm_tap.windows import UNBOUNDED, SYNTAX_HELP, Window
+from vllm_tap.ring_format import MAX_SPEC_BYTES
+from vllm_tap.windows import UNBOUNDED, SYNTAX_HELP, Window, shown
 
 
 class CaptureOptionError(ValueError):
@@ -64,6 +65,11 @@ SERVER_CONFIG_KEY = "vllm_tap"  # --additional-config '{"vllm_tap": {...}}'
 DEFAULT_RING_BYTES = 256 << 20
 RESERVED_PREFIX = "vllm_tap"  # extra_args keys only the tap itself may write
 MAX_KEY_CHARS = 256
+# A spec travels in every BEGIN and END record, where a reader takes at most MAX_SPEC_BYTES of it
+# (ring_schema). A token id takes at most 5 bytes of msgpack, so this many leave room for the rest;
+# parse_options also measures the whole spec, so whatever the API process accepts the daemon takes.
+MAX_INDICES = 8192
+assert 5 * MAX_INDICES + 8 * MAX_KEY_CHARS < MAX_SPEC_BYTES
 _MAX_ID = 1 << 31  # token ids and positions travel as int32
 _MAX_LAYER = 1 << 15  # layers travel as int16
 
@@ -179,7 +185,7 @@ OPTIONS = {
     "tap": "1 (JSON true) to capture with the defaults, 0 (false) alone to not capture; any other tap_* option also opts in",
     "tap_logits": "'full' | 'none' | 'topk' | 'indices'",
     "tap_topk": "k for tap_logits='topk' (an integer, 1..vocab size)",
-    "tap_indices": "a list of token ids for tap_logits='indices'",
+    "tap_indices": f"a list of at most {MAX_INDICES} token ids for tap_logits='indices'",
     "tap_layers": "'all' | 'none' | a list of layer numbers the server exposes",
     "tap_positions": SYNTAX_HELP,
     "tap_dtype": "'auto' | 'float32'",
@@ -204,19 +210,19 @@ def wants_capture(extra_args: Mapping[str, Any] | None) -> bool:
 def _enum(name: str, value: Any, enum_cls: type[enum.Enum]) -> Any:
     allowed = [e.value for e in enum_cls]
     if not isinstance(value, str) or value not in allowed:
-        raise CaptureOptionError(f"{name}: got {value!r}; allowed: {', '.join(repr(a) for a in allowed)}")
+        raise CaptureOptionError(f"{name}: got {shown(value)}; allowed: {', '.join(repr(a) for a in allowed)}")
     return enum_cls(value)
 
 
 def _int(name: str, value: Any, what: str = "an integer") -> int:
     if not _is_int(value):
-        raise CaptureOptionError(f"{name}: expected {what}, got {value!r}")
+        raise CaptureOptionError(f"{name}: expected {what}, got {shown(value)}")
     return int(value)
 
 
 def _int_list(name: str, value: Any, what: str) -> list[int]:
     if not isinstance(value, (list, tuple)):
-        raise CaptureOptionError(f"{name}: expected a list of {what}, got {value!r}")
+        raise CaptureOptionError(f"{name}: expected a list of {what}, got {shown(value)}")
     return [_int(name, v, f"a list of {what}") for v in value]
 
 
@@ -235,19 +241,22 @@ def parse_options(
         topk = _int(name("topk"), opts["topk"])
         hi = vocab_size or _MAX_ID - 1
         if not 1 <= topk <= hi:
-            raise CaptureOptionError(f"{name('topk')}: {topk} outside 1..{hi} (the vocabulary size)")
+            raise CaptureOptionError(f"{name('topk')}: {shown(topk)} outside 1..{hi} (the vocabulary size)")
     elif "topk" in opts:
         raise CaptureOptionError(f"{name('topk')}: only allowed with {name('logits')}='topk'")
     if logits == LogitsMode.INDICES:
         if "indices" not in opts:
             raise CaptureOptionError(f"{name('indices')}: required with {name('logits')}='indices' (a list of token ids)")
-        idx = _int_list(name("indices"), opts["indices"], "token ids")
+        raw_idx = opts["indices"]
+        if isinstance(raw_idx, (list, tuple)) and len(raw_idx) > MAX_INDICES:
+            raise CaptureOptionError(f"{name('indices')}: {len(raw_idx)} token ids; at most {MAX_INDICES} per capture")
+        idx = _int_list(name("indices"), raw_idx, "token ids")
         if not idx:
             raise CaptureOptionError(f"{name('indices')}: must name at least one token id")
         hi = vocab_size or _MAX_ID
         bad = [i for i in idx if not 0 <= i < hi]
         if bad:
-            raise CaptureOptionError(f"{name('indices')}: token id {bad[0]} outside 0..{hi - 1} (the vocabulary)")
+            raise CaptureOptionError(f"{name('indices')}: token id {shown(bad[0])} outside 0..{hi - 1} (the vocabulary)")
         indices = tuple(idx)
     elif "indices" in opts:
         raise CaptureOptionError(f"{name('indices')}: only allowed with {name('logits')}='indices'")
@@ -255,18 +264,18 @@ def parse_options(
     exposed = f"'all', 'none' or a list of the layer numbers this server exposes {list(server_layers)}"
     if isinstance(layers_raw, str):
         if layers_raw not in ("all", "none"):
-            raise CaptureOptionError(f"{name('layers')}: got {layers_raw!r}; allowed: {exposed}")
+            raise CaptureOptionError(f"{name('layers')}: got {shown(layers_raw)}; allowed: {exposed}")
         layers = server_layers if layers_raw == "all" else ()
     else:
         if not isinstance(layers_raw, (list, tuple)):
-            raise CaptureOptionError(f"{name('layers')}: got {layers_raw!r}; allowed: {exposed}")
+            raise CaptureOptionError(f"{name('layers')}: got {shown(layers_raw)}; allowed: {exposed}")
         listed = _int_list(name("layers"), layers_raw, "layer numbers")
         if not listed:
             raise CaptureOptionError(f"{name('layers')}: an empty list; allowed: {exposed}")
         layers = tuple(sorted(set(listed)))
         bad = [x for x in layers if x not in server_layers]
         if bad:
-            raise CaptureOptionError(f"{name('layers')}: layer {bad[0]} is not exposed by this server; allowed: {exposed}")
+            raise CaptureOptionError(f"{name('layers')}: layer {shown(bad[0])} is not exposed by this server; allowed: {exposed}")
     try:
         positions = Window.parse(opts.get("positions", "all"))
     except ValueError as e:
@@ -274,16 +283,21 @@ def parse_options(
     dtype = _enum(name("dtype"), opts.get("dtype", "auto"), DTypeMode)
     key = opts.get("key", "")
     if not isinstance(key, str) or len(key) > MAX_KEY_CHARS or "\x00" in key:
-        raise CaptureOptionError(f"{name('key')}: expected a string of at most {MAX_KEY_CHARS} characters, got {key!r}")
+        raise CaptureOptionError(f"{name('key')}: expected a string of at most {MAX_KEY_CHARS} characters, got {shown(key)}")
     if logits == LogitsMode.NONE and not layers:
         raise CaptureOptionError(f"{name('logits')}: 'none' with no layers captures nothing; ask for logits or {name('layers')}")
-    return CaptureSpec(logits, topk, indices, layers, positions, dtype, key, source)
+    spec = CaptureSpec(logits, topk, indices, layers, positions, dtype, key, source)
+    size = len(msgspec.msgpack.encode(spec.to_meta()))
+    if size > MAX_SPEC_BYTES:  # the bounds above keep it far below; a reader would refuse the capture
+        raise CaptureOptionError(f"{name('indices' if indices else 'layers')}: the capture spec would take {size} "
+                                 f"bytes; at most {MAX_SPEC_BYTES}")
+    return spec
 
 
 def _unknown_option(key: str) -> CaptureOptionError:
     near = difflib.get_close_matches(key.lower(), list(OPTIONS), n=1, cutoff=0.6)
     hint = f" (did you mean {near[0]!r}?)" if near else ""
-    return CaptureOptionError(f"{key}: unknown capture option{hint}; allowed: {', '.join(OPTIONS)}")
+    return CaptureOptionError(f"{shown(key)[1:-1]}: unknown capture option{hint}; allowed: {', '.join(OPTIONS)}")
 
 
 def client_options(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -314,7 +328,7 @@ def parse_capture_spec(
     if "tap" in opts:
         on = opts["tap"]
         if not _is_int(on) and not isinstance(on, bool) or on not in (0, 1):
-            raise CaptureOptionError(f"tap: got {on!r}; allowed: 1 (or true) to capture, 0 (or false) alone to not")
+            raise CaptureOptionError(f"tap: got {shown(on)}; allowed: 1 (or true) to capture, 0 (or false) alone to not")
         if on == 0:
             if len(opts) > 1:
                 raise CaptureOptionError(f"tap: 0 (do not capture) together with {sorted(opts)[1]}; send one or the other")
@@ -366,12 +380,12 @@ class ServerCaptureConfig:
         if raw is True:
             raw = {}
         if not isinstance(raw, dict):
-            raise CaptureOptionError(f"{SERVER_CONFIG_KEY}: expected an object of settings, got {raw!r}")
+            raise CaptureOptionError(f"{SERVER_CONFIG_KEY}: expected an object of settings, got {shown(raw)}")
         known = {"layers", "instance", "shm_dir", "ring_bytes", "group", "block_timeout_s", "policy"}
         unknown = sorted(set(raw) - known, key=str)
         if unknown:
             raise CaptureOptionError(
-                f"{SERVER_CONFIG_KEY}: unknown setting {unknown[0]!r}; allowed: {', '.join(sorted(known))}"
+                f"{SERVER_CONFIG_KEY}: unknown setting {shown(unknown[0])}; allowed: {', '.join(sorted(known))}"
             )
         layers_raw = raw.get("layers", "all")
         if layers_raw == "all":
@@ -384,7 +398,7 @@ class ServerCaptureConfig:
         elif isinstance(layers_raw, list) and all(_is_int(x) for x in layers_raw):
             layers = tuple(sorted(set(layers_raw)))
         else:
-            raise CaptureOptionError(f"{SERVER_CONFIG_KEY}.layers: expected 'all', 'none' or a list of ints, got {layers_raw!r}")
+            raise CaptureOptionError(f"{SERVER_CONFIG_KEY}.layers: expected 'all', 'none' or a list of ints, got {shown(layers_raw)}")
         if num_layers is not None:
             bad = [x for x in layers if not 0 <= x <= num_layers]
             if bad:
@@ -394,20 +408,20 @@ class ServerCaptureConfig:
                 )
         instance = raw.get("instance", "default")
         if not isinstance(instance, str) or not instance or "/" in instance or instance.startswith("."):
-            raise CaptureOptionError(f"{SERVER_CONFIG_KEY}.instance: expected a plain name, got {instance!r}")
+            raise CaptureOptionError(f"{SERVER_CONFIG_KEY}.instance: expected a plain name, got {shown(instance)}")
         ring_bytes = raw.get("ring_bytes", DEFAULT_RING_BYTES)
         if not _is_int(ring_bytes) or ring_bytes < 1 << 16:
-            raise CaptureOptionError(f"{SERVER_CONFIG_KEY}.ring_bytes: expected an int >= 65536, got {ring_bytes!r}")
+            raise CaptureOptionError(f"{SERVER_CONFIG_KEY}.ring_bytes: expected an int >= 65536, got {shown(ring_bytes)}")
         ring_bytes -= ring_bytes % 64
         shm_dir = raw.get("shm_dir", DEFAULT_SHM_DIR)
         if not isinstance(shm_dir, str) or not shm_dir.startswith("/"):
-            raise CaptureOptionError(f"{SERVER_CONFIG_KEY}.shm_dir: expected an absolute path, got {shm_dir!r}")
+            raise CaptureOptionError(f"{SERVER_CONFIG_KEY}.shm_dir: expected an absolute path, got {shown(shm_dir)}")
         group = raw.get("group")
         if group is not None and not isinstance(group, str):
-            raise CaptureOptionError(f"{SERVER_CONFIG_KEY}.group: expected a group name, got {group!r}")
+            raise CaptureOptionError(f"{SERVER_CONFIG_KEY}.group: expected a group name, got {shown(group)}")
         block = raw.get("block_timeout_s", 0.0)
         if not isinstance(block, (int, float)) or isinstance(block, bool) or block < 0:
-            raise CaptureOptionError(f"{SERVER_CONFIG_KEY}.block_timeout_s: expected seconds >= 0, got {block!r}")
+            raise CaptureOptionError(f"{SERVER_CONFIG_KEY}.block_timeout_s: expected seconds >= 0, got {shown(block)}")
         policy = _parse_policy(raw["policy"], layers, vocab_size) if raw.get("policy") is not None else None
         return cls(layers, instance, shm_dir, ring_bytes, group, float(block), policy)
 
@@ -415,19 +429,19 @@ class ServerCaptureConfig:
 def _parse_policy(raw: Any, layers: tuple[int, ...], vocab_size: int | None) -> CapturePolicy:
     where = f"{SERVER_CONFIG_KEY}.policy"
     if not isinstance(raw, dict):
-        raise CaptureOptionError(f"{where}: expected an object of settings (share, client, {', '.join(SPEC_FIELDS)}), got {raw!r}")
+        raise CaptureOptionError(f"{where}: expected an object of settings (share, client, {', '.join(SPEC_FIELDS)}), got {shown(raw)}")
     known = ("share", "client", *SPEC_FIELDS)
     unknown = sorted(set(raw) - set(known), key=str)
     if unknown:
-        raise CaptureOptionError(f"{where}: unknown setting {unknown[0]!r}; allowed: {', '.join(known)}")
+        raise CaptureOptionError(f"{where}: unknown setting {shown(unknown[0])}; allowed: {', '.join(known)}")
     if "share" not in raw:
         raise CaptureOptionError(f"{where}.share: required (the share of requests to capture, 0..1)")
     share = raw["share"]
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
-        raise CaptureOptionError(f"{where}.share: expected a number from 0 to 1, got {share!r}")
+        raise CaptureOptionError(f"{where}.share: expected a number from 0 to 1, got {shown(share)}")
     client = raw.get("client", "wins")
     if client not in CLIENT_PRECEDENCE:
-        raise CaptureOptionError(f"{where}.client: got {client!r}; allowed: {', '.join(repr(c) for c in CLIENT_PRECEDENCE)}")
+        raise CaptureOptionError(f"{where}.client: got {shown(client)}; allowed: {', '.join(repr(c) for c in CLIENT_PRECEDENCE)}")
     spec = parse_options({k: v for k, v in raw.items() if k in SPEC_FIELDS}, layers, vocab_size,
                          lambda f: f"{where}.{f}", SOURCE_POLICY)
     return CapturePolicy(float(share), spec, client)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import re
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,16 @@ class Segment(str, enum.Enum):
 
 
 ALIASES = {"last_prompt": "prompt[-1:]", "last_output": "output[-1:]"}
-_SYNTAX = re.compile(r"^(all|prompt|output)(?:\[(-?\d+)?:(-?\d+)?\])?$")
+# ASCII digits only (Python's \d and int() take any script's), the whole string (no newline after).
+_SYNTAX = re.compile(r"(all|prompt|output)(?:\[(-?[0-9]{1,10})?:(-?[0-9]{1,10})?\])?")
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 60
+_SHOWN.maxlist = _SHOWN.maxtuple = 8
+
+
+def shown(value: Any) -> str:
+    """A value as an error message may echo it: its repr, cut short (a request may send megabytes)."""
+    return _SHOWN.repr(value)
 SYNTAX_HELP = (
     "'all', 'prompt', 'output', 'last_prompt', 'last_output', a window SEGMENT[START:STOP] "
     "(SEGMENT all|prompt|output, Python slice bounds, e.g. 'prompt[-16:]', 'output[:32]', "
@@ -77,20 +87,20 @@ class Window:
             value = value.value
         if isinstance(value, (list, tuple)):
             if len(value) != 2 or not all(type(v) is int for v in value):
-                raise ValueError(f"got {list(value)!r}; a list must be [START, STOP], two ints")
+                raise ValueError(f"got {shown(list(value))}; a list must be [START, STOP], two ints")
             lo, hi = value
             if lo < 0 or hi < 0:
-                raise ValueError(f"got {list(value)!r}; [START, STOP] are absolute positions (>= 0); "
+                raise ValueError(f"got {shown(list(value))}; [START, STOP] are absolute positions (>= 0); "
                                  "count from an end with 'prompt[-16:]' or 'output[-16:]'")
             w = cls(Segment.ALL, lo, hi)
         elif isinstance(value, str):
-            m = _SYNTAX.match(ALIASES.get(value, value))
+            m = _SYNTAX.fullmatch(ALIASES.get(value, value))
             if m is None:
-                raise ValueError(f"got {value!r}; allowed: {SYNTAX_HELP}")
+                raise ValueError(f"got {shown(value)}; allowed: {SYNTAX_HELP}")
             seg, lo, hi = m.groups()
             w = cls(Segment(seg), None if lo is None else int(lo), None if hi is None else int(hi))
         else:
-            raise ValueError(f"got {value!r} ({type(value).__name__}); allowed: {SYNTAX_HELP}")
+            raise ValueError(f"got {shown(value)} ({type(value).__name__}); allowed: {SYNTAX_HELP}")
         w.check()
         return w.normal()
 
