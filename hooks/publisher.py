@@ -311,22 +311,29 @@ class StagedPublisher(Publisher):
 
     def write(self, table, rows, tensor, *, dtype, width, slice_, full_dim, step, segments, device_ids=None) -> bool:
         n = rows.shape[1]
-        at = self.staging.alloc(n * width * dtype.itemsize)
+        nbytes = n * width * dtype.itemsize
+        staging = self.staging
+        head = staging.head  # a dropped record gives its staging back at once (see _give_back)
+        at = staging.alloc(nbytes)
         ids_at = None
         if at is not None and device_ids is not None:
-            ids_at = self.staging.alloc(4 * n)
+            ids_at = staging.alloc(4 * n)
         if at is None or (device_ids is not None and ids_at is None):
             # Waiting for a copy to free staging would stall the forward: drop, count, report.
-            # (A block taken above stays taken until this step's end: harmless, it is freed then.)
+            staging.head = head
             self.staging_drops += 1
             if self.staging_drops == 1 or self.staging_drops % 1000 == 0:
                 log.warning("vllm-tap: device staging buffer full (%d bytes); %d records dropped so far",
-                            self.staging.capacity, self.staging_drops)
-            report_drop(self.writer, table, rows, tensor)
+                            staging.capacity, self.staging_drops)
+            self.writer.drop_rows(table, rows, tensor, nbytes)
             return False
         res = self.writer.reserve_rows(table, rows, tensor, dtype=STORAGE[dtype], width=width, slice_=slice_,
                                        full_dim=full_dim, step=step)
         if res is None:
+            # The ring had no room (dropped and reported there). Its staging must not stay taken:
+            # blocks are freed only behind a queued step, and a step whose every record the ring
+            # refused queues nothing, so staging would fill for good and drop every later record.
+            staging.head = head
             return False
         self._step.append(res)
         self._starts.append(res.record_offset)
@@ -353,6 +360,7 @@ class StagedPublisher(Publisher):
 
     def end_step(self) -> None:
         if not self._step:
+            self._free_unqueued()
             return
         done = self.backend.copy_after_compute(self._pairs)
         self._queued_mark = self.staging.head
@@ -361,11 +369,19 @@ class StagedPublisher(Publisher):
 
     def abandon_step(self) -> None:
         if not self._step:
+            self._free_unqueued()
             return
         # No copy of this step was queued; the thread PADs and commits in order after earlier steps.
         self._queued_mark = self.staging.head
         self._q.put((None, self._step, self._starts, self._queued_mark, True))
         self._step, self._starts, self._pairs = [], [], []
+
+    def _free_unqueued(self) -> None:
+        """Staging taken since the last queued step with no record to carry its release (none is
+        taken by a dropped record, so this is a guard): freed in order behind the queued steps."""
+        if self.staging.head != self._queued_mark:
+            self._queued_mark = self.staging.head
+            self._q.put((None, [], [], self._queued_mark, False))
 
     def _run(self) -> None:
         try:
