@@ -251,3 +251,18 @@ def test_captures_end_after_the_daemon_is_stopped_resumed_and_stopped_again_then
             assert cap.finish_reason == "length" and cap.end_position == sc.end_position, (rid, cap.finish_reason)
         else:
             assert cap.finish_reason in ("length", END_LOST), (rid, cap.finish_reason)
+
+
+@pytest.mark.parametrize("content", [b"\xff\x00junk", b"\x82\xa7version\x01\xa9instances\x81\xa1d\x91\x80"])
+def test_an_unusable_handover_is_one_logged_line_and_the_daemon_starts(daemon_factory, sock_dir, content):
+    """The handover file is decoded against its schema: garbage, or a capture missing its fields, is
+    ignored with one line (and removed), never a reason not to start."""
+    state = os.path.join(sock_dir, "state-h")
+    os.makedirs(state)
+    with open(os.path.join(state, "handover.msgpack"), "wb") as f:
+        f.write(content)
+    d = daemon_factory(state_dir=state)
+    assert d.status()["requests_in_flight"] == 0
+    assert not os.path.exists(os.path.join(state, "handover.msgpack"))
+    lines = [x for x in d.log().splitlines() if "handover" in x]
+    assert len(lines) == 1 and "ignored" in lines[0], lines
