@@ -93,17 +93,23 @@ def test_begin_end_and_live_records(events):
     assert end_a.meta["end_position"] == 4 and end_a.meta["reason"] == "length" and end_a.meta["output_token_ids"] == [9, 10]
 
 
-def test_an_idle_engine_sends_the_ends_that_waited_for_room(events):
-    """The ring was full (no reader) when the last captures ended, and then nothing runs: the
-    timer's tick sends the queued ENDs once a reader frees room, with no scheduler step to do it."""
-    ev, reader = events
+def _fill_with_begins(ev) -> tuple[int, dict]:
+    """BEGINs with ~600 kB of prompt ids each until the 16 MiB ring is full and one waits: (how many, spec)."""
     ev.writer.max_backlog_records = 10_000
-    big = list(range(200_000))  # ~600 kB of prompt ids per BEGIN: the 16 MiB ring fills
+    big = list(range(200_000))
     spec = {SPEC_EXTRA_ARG: CaptureSpec().to_meta()}
     n = 0
     while ev.writer.flush():
         ev.begin(_request(f"r{n}", spec, prompt=big))
         n += 1
+    return n, spec
+
+
+def test_an_idle_engine_sends_the_ends_that_waited_for_room(events):
+    """The ring was full (no reader) when the last captures ended, and then nothing runs: the
+    timer's tick sends the queued ENDs once a reader frees room, with no scheduler step to do it."""
+    ev, reader = events
+    n, spec = _fill_with_begins(ev)
     for i in range(n):
         ev.end(_request(f"r{i}", spec))
     assert ev.writer.backlog_records() > n  # the last BEGIN and every END wait
@@ -120,7 +126,7 @@ def test_a_malformed_spec_is_no_capture_and_one_logged_error(events, bad, caplog
     for i in range(5):
         ev.begin(_request(f"r{i}", {SPEC_EXTRA_ARG: bad, N_EXTRA_ARG: "x"}))
         ev.end(_request(f"r{i}", None))
-    assert [r.kind for r in reader.poll()] in ([], [rf.RecordKind.LIVE], [rf.RecordKind.LIVE] * 2)
+    assert {r.kind for r in reader.poll()} <= {rf.RecordKind.LIVE}  # the timer's only
     assert len([r for r in caplog.records if "malformed capture spec" in r.getMessage()]) == 1
     assert ev.bad_spec.count == 5
 
@@ -130,13 +136,7 @@ def test_live_is_never_queued_ahead_of_control_records_waiting_for_room(events, 
     monkeypatch.setattr(engine_events, "LIVE_INTERVAL_S", 3600)  # this test ticks by hand
     time.sleep(0.1)  # the timer is in its (now long) wait
     reader.poll()
-    ev.writer.max_backlog_records = 10_000
-    big = list(range(200_000))  # ~600 kB of prompt ids per BEGIN: the 16 MiB ring fills
-    spec = {SPEC_EXTRA_ARG: CaptureSpec().to_meta()}
-    n = 0
-    while ev.writer.flush():
-        ev.begin(_request(f"r{n}", spec, prompt=big))
-        n += 1
+    n, spec = _fill_with_begins(ev)
     assert ev.writer.backlog_records() > 0
     assert not ev.live()  # refused while BEGINs wait: it would overtake them
     recs = reader.poll()
