@@ -128,10 +128,9 @@ def _ranges(ps) -> str:
 
 
 def _capture_line(seq: int, begin: Any, end: Any, positions: int) -> str:
-    from vllm_tap.client.watch import source_of
-
     missing = end.missing_positions if end is not None else []
-    parts = [f"seq={seq}", f"{begin.instance}/{begin.request_id}", f"source={source_of(begin)}"]
+    source = end.source if end is not None else begin.source
+    parts = [f"seq={seq}", f"{begin.instance}/{begin.request_id}", f"source={source}"]
     if begin.tap_key:
         parts.append(f"tap_key={begin.tap_key}")
     if begin.model:

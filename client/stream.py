@@ -65,6 +65,27 @@ def _check_default_dir(path: str) -> None:
         os.close(fd)
 
 
+def decode_begin(h: dict[str, Any]) -> CaptureBegin:
+    """A begin message (subscription or watch): the one place its fields are read."""
+    return CaptureBegin(
+        h["request_id"], h["instance"], h.get("tap_key", ""), tuple(h.get("names", ())), h.get("response_id", ""),
+        int(h.get("choice_index", 0)), int(h.get("num_prompt_tokens", 0)), h.get("prompt_token_ids"),
+        int(h.get("n", 1)), h.get("model", ""), h.get("spec"), h.get("start_position"), bool(h.get("lazy")),
+        str(h.get("source") or wf.SOURCES[0]),
+    )
+
+
+def decode_end(h: dict[str, Any], missing: PositionRanges) -> CaptureEnd:
+    """An end message (subscription or watch), with the missing positions the caller accounted."""
+    expected = tuple(h["expected"]) if h.get("expected") else None
+    return CaptureEnd(
+        h["request_id"], h["instance"], h["reason"], int(h.get("num_prompt_tokens", 0)),
+        int(h.get("num_output_tokens", 0)), list(h.get("output_token_ids", [])), h.get("end_position"),
+        expected, missing, h.get("response_id", ""), int(h.get("choice_index", 0)),  # type: ignore[arg-type]
+        str(h.get("source") or wf.SOURCES[0]),
+    )
+
+
 def decode_chunk(h: dict[str, Any], frames: Sequence[Any], arena: ArenaUse | None = None) -> Chunk | None:
     """A tokens message's Chunk (arrays from its frames, or copied out of the daemon's arena); None
     when its arena regions were reused before they were copied."""
@@ -200,12 +221,7 @@ class StreamState:
                 self.outbox.append(self._subscribe(max(self.timeout - (now - self._t0), 1.0)))
                 return []
             if self.begin is None:  # a resumed subscription repeats it: keep the first
-                self.begin = CaptureBegin(
-                    h["request_id"], h["instance"], h.get("tap_key", ""), tuple(h.get("names", ())), h.get("response_id", ""),
-                    int(h.get("choice_index", 0)), int(h.get("num_prompt_tokens", 0)), h.get("prompt_token_ids"),
-                    int(h.get("n", 1)), h.get("model", ""), h.get("spec"), h.get("start_position"), bool(h.get("lazy")),
-                    str(h.get("source") or "client"),
-                )
+                self.begin = decode_begin(h)
                 if self.next_position is None:
                     self.next_position = self.begin.start_position
             return []
@@ -265,11 +281,7 @@ class StreamState:
             missing = PositionRanges(h.get("missing") or ()).union(self.lost)
         except (TypeError, ValueError, IndexError):
             raise ProtocolError(f"unreadable missing ranges from the daemon: {h.get('missing')!r}") from None
-        self.end = CaptureEnd(
-            rid, h["instance"], h["reason"], int(h.get("num_prompt_tokens", 0)), int(h.get("num_output_tokens", 0)),
-            list(h.get("output_token_ids", [])), h.get("end_position"), expected, missing,  # type: ignore[arg-type]
-            h.get("response_id", ""), int(h.get("choice_index", 0)), str(h.get("source") or "client"),
-        )
+        self.end = decode_end(h, missing)
         self.done = True
         return out
 

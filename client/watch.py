@@ -51,7 +51,7 @@ from vllm_tap.positions import PositionRanges
 from vllm_tap.client.arena import OVERWRITTEN, ArenaUse
 from vllm_tap.client.errors import DaemonUnavailable, ProtocolError, TapError, error_for
 from vllm_tap.client.records import Capture, CaptureBegin, CaptureBuilder, CaptureEnd, Chunk, Gap
-from vllm_tap.client.stream import decode_chunk
+from vllm_tap.client.stream import decode_begin, decode_chunk, decode_end
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class WatchedCapture:
 
     @property
     def source(self) -> str:
-        return source_of(self.begin)
+        return self.capture.source  # the daemon's last word (the END), as fetch() and the dataset have it
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ class WatchStart:
 
     @property
     def source(self) -> str:
-        return source_of(self.begin)
+        return self.begin.source
 
 
 @dataclass(frozen=True)
@@ -173,37 +173,6 @@ WatchItem = Union[WatchedCapture, WatchStart, WatchData, WatchEnd, LostCaptures,
 
 class WatchRejected(TapError, ValueError):
     """The daemon refused the watch: a bad filter, a `since` it never gave out, or too many watches."""
-
-
-def source_of(begin: CaptureBegin) -> str:
-    """"client" (the request opted in) or "policy" (the server's capture policy chose it)."""
-    src = getattr(begin, "source", None)
-    if src:
-        return str(src)
-    spec = begin.spec or {}
-    return str(spec.get("source") or wf.SOURCES[0])
-
-
-# -- decoding (the same messages as a subscription, with "seq") --
-
-
-def _begin(h: dict[str, Any]) -> CaptureBegin:
-    return CaptureBegin(
-        h["request_id"], h["instance"], h.get("tap_key", ""), tuple(h.get("names", ())), h.get("response_id", ""),
-        int(h.get("choice_index", 0)), int(h.get("num_prompt_tokens", 0)), h.get("prompt_token_ids"),
-        int(h.get("n", 1)), h.get("model", ""), h.get("spec"), h.get("start_position"), bool(h.get("lazy")),
-        str(h.get("source") or wf.SOURCES[0]),
-    )
-
-
-def _end(h: dict[str, Any]) -> CaptureEnd:
-    expected = tuple(h["expected"]) if h.get("expected") else None
-    return CaptureEnd(
-        h["request_id"], h["instance"], h["reason"], int(h.get("num_prompt_tokens", 0)),
-        int(h.get("num_output_tokens", 0)), list(h.get("output_token_ids", [])), h.get("end_position"),
-        expected, sorted(set(wf.expand_ranges(h.get("missing", [])))),  # type: ignore[arg-type]
-        h.get("response_id", ""), int(h.get("choice_index", 0)),
-    )
 
 
 def _bytes(frame: Any) -> bytes | memoryview:
@@ -311,7 +280,7 @@ class WatchState:
         if not isinstance(seq, int):
             raise ProtocolError(f"watch message {t!r} without a sequence number")
         if t == wf.BEGIN:
-            return self._on_begin(seq, _begin(h))
+            return self._on_begin(seq, decode_begin(h))
         if t == wf.TOKENS:
             chunk = decode_chunk(h, frames[1:], self.arena)
             if chunk is None:  # copied too late: the daemon had reused the region
@@ -322,13 +291,17 @@ class WatchState:
         if t == wf.GAP:
             return self._on_item(seq, Gap(range(int(h["start"]), int(h["stop"])), str(h.get("reason", "")), h["request_id"]))
         if t == wf.END:
-            end = _end(h)
+            try:
+                missing = PositionRanges(h.get("missing") or ())
+            except (TypeError, ValueError, IndexError):
+                raise ProtocolError(f"unreadable missing ranges from the daemon: {h.get('missing')!r}") from None
+            end = decode_end(h, missing)
             lost = self._overwritten.pop(seq, None)
             if lost and self.whole and not self._handled(seq):
                 # A whole capture is delivered exact or not at all: this one went while we lagged.
                 return self._lost(seq, seq, wf.LOST_TOO_SLOW, OVERWRITTEN)
             if lost:
-                end = dataclasses.replace(end, missing_positions=PositionRanges.of(end.missing_positions).union(lost))
+                end = dataclasses.replace(end, missing_positions=end.missing_positions.union(lost))
             return self._on_end(seq, end)
         raise ProtocolError(f"unexpected message type {t!r} from the daemon")
 

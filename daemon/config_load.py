@@ -65,7 +65,8 @@ DOCS: dict[str, str] = {
     "max_subscriptions": "Subscriptions at once, waiting or streaming; more are refused with an error.",
     "max_subscriptions_per_connection": "Subscriptions at once on one connection; more are refused with an error.",
     "metrics_addr": "`HOST:PORT` (or `:PORT`) for the Prometheus endpoint; empty = no endpoint.",
-    "state_dir": "Directory of the persisted capture sequence counter (`sequence.json`, locked by one daemon); "
+    "state_dir": "Directory of the persisted capture sequence counter (`sequence.json`, locked by one daemon) "
+    "and of what a graceful stop hands to the next daemon (`handover.msgpack`); "
     "empty = `$STATE_DIRECTORY` under systemd (`/var/lib/vllm-tap` with the shipped unit), else "
     "`/var/lib/vllm-tap` as root, else `$XDG_STATE_HOME/vllm-tap` (`~/.local/state/vllm-tap`).",
     "log_level": "`DEBUG`, `INFO`, `WARNING`, `ERROR` or `CRITICAL`.",

@@ -59,6 +59,8 @@ from typing import Any, Callable, Iterable, Union
 import numpy as np
 
 from vllm_tap import ring_format as rf
+from vllm_tap import ring_schema
+from vllm_tap.daemon import handover as ho
 from vllm_tap.positions import PositionRanges
 from vllm_tap.records import RingRecord, TensorId
 from vllm_tap.spec import CaptureSpec
@@ -466,8 +468,14 @@ class Reassembler:
             elif req.end is None:
                 if req.lost_at is None and req.listed is False and self._last_live_at is not None:
                     # The latest LIVE left it out, and since then neither a record of it nor a LIVE
-                    # naming it came: none will (the engine writes one LIVE after the last capture ends).
+                    # naming it came: none will (the engine writes a LIVE about once a second).
                     quiet = max(self._last_live_at, req.last_record_at) + self.live_silence_s
+                    if now >= quiet:
+                        req.lost_at = quiet
+                elif req.lost_at is None and req.inherited and self._last_live_at is None:
+                    # Its head went with a previous daemon, and no engine writes LIVE records here
+                    # (vLLM is gone, its rings with it): quiet this long, it is as good as unlisted.
+                    quiet = req.last_record_at + 2 * self.live_silence_s
                     if now >= quiet:
                         req.lost_at = quiet
                 if req.lost_at is not None and now >= req.lost_at + self.end_grace_s:
@@ -488,6 +496,68 @@ class Reassembler:
                     req.dead_at = now
                     req.dead_reason = reason
         return []
+
+    # -- handover (a graceful stop to the next daemon, daemon/handover.py) --
+
+    def export_state(self) -> list[ho.Capture]:
+        """Every capture in flight: what was read of it and not delivered (metadata, held data)."""
+        return [_export(req) for req in self._requests.values()]
+
+    def restore(self, captures: list[ho.Capture], now: float) -> list[Event]:
+        """Continue captures a previous daemon handed over: the positions it delivered come first as
+        one Gap NOT_CAPTURED_PREVIOUS, then what it held, then what the rings bring."""
+        out: list[Event] = []
+        for c in captures:
+            if c.request_id in self._requests:
+                continue
+            try:
+                self._restore(c, now, out)
+            except (ring_schema.Rejected, ValueError, KeyError, TypeError) as e:
+                log.error("request %s: handed-over state unusable (%s); it continues as a capture never seen",
+                          c.request_id, e)
+                self._requests.pop(c.request_id, None)
+        return out
+
+    def _restore(self, c: ho.Capture, now: float, out: list[Event]) -> None:
+        begin = ring_schema.control_record(rf.RecordKind.BEGIN, c.request_id, c.begin, tap_key=c.tap_key) \
+            if c.begin is not None else None
+        end = ring_schema.control_record(rf.RecordKind.END, c.request_id, c.end, tap_key=c.tap_key) \
+            if c.end is not None else None
+        req = _Request(c.request_id, c.tap_key, c.num_prompt_tokens, c.lazy, source=c.source, inherited=True,
+                       hold=c.hold, tail=c.tail, max_seen=c.max_seen, sources=set(c.sources), cut=c.cut)
+        if begin is not None:
+            self._apply_begin(req, begin)
+        if c.spec is not None and req.spec is None:
+            self._apply_spec(req, CaptureSpec.from_meta(c.spec), c.source)
+        req.source = c.source
+        start = c.start if c.start is not None else c.frontier
+        if start is not None:
+            req.start = req.frontier = req.first_frontier = start
+            if c.frontier is not None and c.frontier > start:  # delivered by the previous daemon
+                self._push(req, _Chunk(start, c.frontier, None, NOT_CAPTURED_PREVIOUS))
+        self._requests[req.request_id] = req
+        self._finished.pop(req.request_id, None)
+        self.stats["requests_started"] += 1
+        out.append(self._begin_event(req, now, update=False))
+        if end is not None:
+            req.end, req.end_at, req.stop = end.control, now, c.stop
+        req.last_record_at = now
+        for ch in c.chunks:
+            if ch.positions is None:
+                self._push(req, _Chunk(ch.start, ch.stop, None, ch.reason))
+            else:
+                pos, ids = ch.positions.array(), ch.token_ids.array() if ch.token_ids is not None else None
+                tensors = {name: a.array() for name, a in ch.tensors.items()}
+                self._push(req, _Chunk(ch.start, ch.stop, Tokens(self.instance, req.request_id, pos, ids,
+                                                                 req.num_prompt_tokens, tensors, dict(ch.dtypes), now)))
+        for sl in c.slices:
+            self._on_data(RingRecord(
+                kind=rf.RecordKind.DATA, request_id=req.request_id, tap_key=req.tap_key, step=sl.step, rank=sl.rank,
+                expected_ranks=sl.expected_ranks, rank_parts=sl.rank_parts, tensor=TensorId(rf.TensorKind(sl.kind), sl.layer),
+                dtype=sl.dtype, slice_start=sl.slice_start, slice_stop=sl.slice_stop, full_dim=sl.full_dim,
+                num_prompt_tokens=sl.num_prompt_tokens, positions=sl.positions.array(), token_ids=sl.token_ids.array(),
+                data=sl.data.array(), ring=sl.ring, epoch=sl.epoch, source=req.source), now, out)
+        self._pump(req, now, out)
 
     # -- record kinds --
 
@@ -926,6 +996,39 @@ class Reassembler:
             m.end_position if m is not None else None, (start, stop) if stop > start else None, missing,
             req.delivered, now, req.source,
         ))
+
+
+def _meta(struct: Any, spec: CaptureSpec | None) -> dict[str, Any] | None:
+    """A decoded control meta (BeginMeta, EndMeta) as a plain meta the ring schema decodes the same
+    (its spec, kept raw there, from the decoded one)."""
+    if struct is None:
+        return None
+    out = {name: getattr(struct, name) for name in struct.__struct_fields__}
+    out.pop("spec", None)
+    if spec is not None:
+        out["spec"] = spec.to_meta()
+    return out
+
+
+def _export(req: _Request) -> ho.Capture:
+    chunks = []
+    for _, _, _, ch in sorted(req.ready, key=lambda item: item[:3]):
+        t = ch.tokens
+        if t is None:
+            chunks.append(ho.Chunk(ch.start, ch.stop, ch.reason))
+        else:
+            chunks.append(ho.Chunk(ch.start, ch.stop, "", ho.Array.of(t.positions), ho.Array.of(t.token_ids),
+                                   {n: ho.Array.of(a) for n, a in t.tensors.items()}, dict(t.dtypes)))
+    slices = [ho.Slice(r.ring, r.epoch, r.rank, g.step, g.expected_ranks, r.rank_parts, int(r.tensor.kind), r.tensor.layer,
+                       r.dtype, r.slice_start, r.slice_stop, r.full_dim, r.num_prompt_tokens, ho.Array.of(r.positions),
+                       ho.Array.of(r.token_ids), ho.Array.of(r.data))
+              for g in req.groups.values() for recs in g.parts.values() for r in recs.values()
+              if r.tensor is not None and r.data is not None]
+    return ho.Capture(
+        req.request_id, req.tap_key, req.num_prompt_tokens, req.lazy, req.source, _meta(req.begin, req.spec),
+        _meta(req.end, req.spec),
+        req.spec.to_meta() if req.spec is not None else None, req.tail, req.start, req.frontier, req.stop, req.max_seen,
+        sorted(req.sources), req.cut, req.hold, chunks, slices)
 
 
 def _top(positions: np.ndarray) -> int:

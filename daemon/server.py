@@ -57,6 +57,7 @@ from vllm_tap import wire_format as wf
 from vllm_tap.ring import RingBroken, RingFormatError, RingReader
 from vllm_tap.ring_schema import tensor_id
 
+from vllm_tap.daemon import handover
 from vllm_tap.daemon.arena import Arena
 from vllm_tap.safe_paths import UnsafePath
 
@@ -308,6 +309,7 @@ class Daemon:
             # watch: the persisted sequence counter; SequenceStateError stops start-up (one line)
             self.watch.open(SequenceCounter(self.config.resolved_state_dir()))
             with self._lock:
+                self._take_handover(time.monotonic())
                 self._discover(time.monotonic())
             log.info("serving %s; watching %s (%d rings, %s; descriptor limit %d)", self.endpoint,
                      self.config.shm_dir, len(self._rings), "inotify" if self._dir.fileno() is not None else "scanning",
@@ -706,6 +708,28 @@ class Daemon:
         while ring.key in self._rings and self._poll_ring(ring):
             pass
 
+    # -- handover (daemon/handover.py) --
+
+    def _hand_over(self) -> None:
+        """A graceful stop: what was read of the captures in flight and not delivered, for the next daemon."""
+        try:
+            state = {inst: reasm.export_state() for inst, reasm in self._reasm.items()}
+            n = handover.write(self.config.resolved_state_dir(), state)
+        except Exception as e:  # a stop must complete whatever this finds
+            log.error("cannot hand the captures in flight over to the next daemon (%s): they end with it", e,
+                      exc_info=not isinstance(e, OSError))
+            return
+        if n:
+            log.info("handed %d captures in flight over to the next daemon", n)
+
+    def _take_handover(self, now: float) -> None:
+        taken = handover.take(self.config.resolved_state_dir())
+        for inst, captures in taken.items():
+            self._dispatch(self._reassembler(inst).restore(captures, now), now)
+        if taken:
+            log.info("continuing %d captures in flight handed over by the previous daemon",
+                     sum(len(v) for v in taken.values()))
+
     # -- memory --
 
     def inflight_bytes(self) -> int:
@@ -1083,6 +1107,7 @@ class Daemon:
             self.watch.pump(self._send, time.monotonic())
             if self._active or self.watch.busy:
                 time.sleep(0.005)
+        self._hand_over()
         for ring in list(self._rings.values()):
             self._close_ring(ring)  # read cursors live in the files and are current after every poll
         self._order = []

@@ -8,15 +8,21 @@ so BEGIN and END come from here, through this engine's own ring (`engine.ring`):
   - BEGIN: the spec, the prompt, n and the model;
   - END: the finish reason, the output tokens, the last computed position, and the spec and
     source again, so a reader that missed the BEGIN still knows which positions were expected;
-  - LIVE: {"requests": [ids of the captures still running]}, about once a second while any
-    capture runs (checked once per scheduler step: nothing to do when nothing captures) and once
-    after the last one ends, so a reader can end a capture whose END it will never see (lost to a
-    full backlog, or consumed by a previous reader). A LIVE record is never queued: it is written
-    when the ring has room and nothing is waiting ahead of it, else skipped until the next one.
+  - LIVE: {"requests": [ids of the captures still running]}, about once a second whatever the
+    engine does, idle included, so a reader can end a capture whose END it will never see (lost to
+    a full backlog, or consumed by a previous reader that was stopped or killed). A timer thread
+    writes it, not the scheduler: an idle engine runs no steps, and a reader that restarts while
+    vLLM is idle must still learn that nothing it is waiting for runs. The same tick retries
+    BEGIN/ENDs that wait in the writer's backlog for room, so an idle engine does not keep its last
+    ENDs to itself. A LIVE record is never queued: it is written when the ring has room and nothing
+    is waiting ahead of it, else skipped until the next one.
 
 Rules: the spec in a request's extra_args is decoded strictly; a malformed one means "no capture"
 with one logged error. No exception from this module reaches vLLM's scheduler: every patched
-method calls the original whatever the tap does, and tap faults are logged (rate-limited).
+method calls the original whatever the tap does, and tap faults are logged (rate-limited). The
+scheduler's per-step path has no tap work at all. The timer thread holds the GIL for one small
+record a second, and one lock, shared with BEGIN and END, orders a LIVE after the records of the
+captures it names (a LIVE written between a BEGIN's bookkeeping and its record would disown it).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
 
 from vllm_tap import ring_format as rf
@@ -75,11 +82,27 @@ class EngineEvents:
         except (RingSpaceError, UnsafePath) as e:  # no room, or a squatted directory: stop start-up, one line
             raise TapConfigError(str(e) if isinstance(e, RingSpaceError) else f"vllm-tap: {e}") from None
         self.capturing: dict[str, CaptureSpec] = {}  # request id -> its spec, BEGIN to END
-        self._next_live = 0.0
-        self._owe_live = False  # the LIVE after the last capture ended is still to be written
+        self._lock = threading.Lock()  # capturing + its records, against the LIVE thread
+        self._closed = threading.Event()
         self.bad_spec = _RateLimitedLog()
         self.fault = _RateLimitedLog()
+        self._timer = threading.Thread(target=self._tick, name="vllm-tap-live", daemon=True)
+        self._timer.start()
         log.info("vllm-tap engine ring %s (pid %d)", path, os.getpid())
+
+    def _tick(self) -> None:
+        while not self._closed.wait(LIVE_INTERVAL_S):
+            try:
+                self.live()
+            except Exception:  # the ring closed under it (shutdown), or a bug: never the engine's problem
+                if self._closed.is_set():
+                    return
+                self.fault("vllm-tap: writing a LIVE record failed", exc_info=True)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._timer.join(timeout=5)
+        self.writer.close()
 
     def begin(self, request) -> None:
         sp = request.sampling_params
@@ -96,19 +119,17 @@ class EngineEvents:
             return
         n = extra.get(N_EXTRA_ARG, 1)
         n = n if type(n) is int and 1 <= n <= _MAX_N else 1
-        self.capturing[rid] = spec
-        self.writer.write_control(
-            rf.RecordKind.BEGIN, rid,
-            {
-                "spec": spec.to_meta(), "source": spec.source, "num_prompt_tokens": int(request.num_prompt_tokens),
-                "prompt_token_ids": list(request.prompt_token_ids or ()), "n": n, "model": self.model,
-            },
-            tap_key=spec.key,
-        )
+        meta = {
+            "spec": spec.to_meta(), "source": spec.source, "num_prompt_tokens": int(request.num_prompt_tokens),
+            "prompt_token_ids": list(request.prompt_token_ids or ()), "n": n, "model": self.model,
+        }
+        with self._lock:
+            self.capturing[rid] = spec
+            self.writer.write_control(rf.RecordKind.BEGIN, rid, meta, tap_key=spec.key)
 
     def end(self, request) -> None:
         rid = request.request_id
-        spec = self.capturing.pop(rid, None)
+        spec = self.capturing.get(rid)
         if spec is None:
             return
         reason = request.get_finished_reason()
@@ -116,33 +137,21 @@ class EngineEvents:
         n_prompt = int(request.num_prompt_tokens)
         # The model has computed every position but the last sampled token's.
         end_position = n_prompt + len(out) - 1 if out else int(request.num_computed_tokens)
-        self.writer.write_control(
-            rf.RecordKind.END, rid,
-            {
-                "reason": reason.name.lower() if reason is not None else "finished",
-                "num_prompt_tokens": n_prompt, "num_output_tokens": len(out),
-                "output_token_ids": out, "end_position": end_position,
-                "spec": spec.to_meta(), "source": spec.source,
-            },
-            tap_key=spec.key,
-        )
-        if not self.capturing:
-            self._owe_live = True
-            self.live(time.monotonic())
+        meta = {
+            "reason": reason.name.lower() if reason is not None else "finished",
+            "num_prompt_tokens": n_prompt, "num_output_tokens": len(out),
+            "output_token_ids": out, "end_position": end_position,
+            "spec": spec.to_meta(), "source": spec.source,
+        }
+        with self._lock:
+            self.capturing.pop(rid, None)
+            self.writer.write_control(rf.RecordKind.END, rid, meta, tap_key=spec.key)
 
-    def step(self) -> None:
-        """Once per scheduler step."""
-        if not self.capturing and not self._owe_live:
-            return
-        now = time.monotonic()
-        if now >= self._next_live or self._owe_live:
-            self.live(now)
-
-    def live(self, now: float) -> None:
-        self._next_live = now + LIVE_INTERVAL_S
-        if self.writer.write_control_if_room(rf.RecordKind.LIVE, "", {"requests": list(self.capturing)}):
-            self._owe_live = False
-        # else: the ring is full or control records wait ahead of it; a later step tries again
+    def live(self) -> bool:
+        """One LIVE record now (the timer's tick); False when the ring is full or control records
+        wait ahead of it (retried first; the next tick tries again)."""
+        with self._lock:
+            return self.writer.write_control_if_room(rf.RecordKind.LIVE, "", {"requests": list(self.capturing)})
 
 
 def patch_module(module) -> None:
@@ -150,7 +159,6 @@ def patch_module(module) -> None:
     orig_init = cls.__init__
     orig_add = cls.add_request
     orig_free = cls._free_request
-    orig_schedule = cls.schedule
 
     @functools.wraps(orig_init)
     def __init__(self, vllm_config, *args, **kwargs):
@@ -180,18 +188,6 @@ def patch_module(module) -> None:
                           request.request_id, exc_info=True)
         return orig_free(self, request, *args, **kwargs)
 
-    @functools.wraps(orig_schedule)
-    def schedule(self, *args, **kwargs):
-        out = orig_schedule(self, *args, **kwargs)
-        tap = self._vllm_tap
-        if tap is not None:
-            try:
-                tap.step()
-            except Exception:
-                tap.fault("vllm-tap: writing a LIVE record failed", exc_info=True)
-        return out
-
     cls.__init__ = __init__
     cls.add_request = add_request
     cls._free_request = _free_request
-    cls.schedule = schedule

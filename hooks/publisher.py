@@ -366,8 +366,8 @@ class StagedPublisher(Publisher):
             if self.staging_drops == 1 or self.staging_drops % 1000 == 0:
                 log.warning("vllm-tap: device staging buffer full (%d bytes); %d records dropped so far",
                             self.staging.capacity, self.staging_drops)
-            for sec in sections:
-                report_drop(self.writer, table, rows, sec[0])
+            for sec, (_, nbytes) in zip(sections, res.sections):
+                self.writer.drop_rows(table, rows, sec[0], nbytes)
             return False
         n = rows.shape[1]
         if device_ids is not None:
@@ -391,6 +391,7 @@ class StagedPublisher(Publisher):
 
     def end_step(self) -> None:
         if not self._step:
+            self._free_unqueued()
             return
         done = self.backend.copy_after_compute(self._pairs)
         self._queued_mark = self.staging.head
@@ -399,11 +400,19 @@ class StagedPublisher(Publisher):
 
     def abandon_step(self) -> None:
         if not self._step:
+            self._free_unqueued()
             return
         # No copy of this step was queued; the thread PADs and commits in order after earlier steps.
         self._queued_mark = self.staging.head
         self._q.put((None, self._step, self._starts, self._queued_mark, True))
         self._step, self._starts, self._pairs = [], [], []
+
+    def _free_unqueued(self) -> None:
+        """Staging taken since the last queued step with no record to carry its release (none is
+        taken by a dropped record, so this is a guard): freed in order behind the queued steps."""
+        if self.staging.head != self._queued_mark:
+            self._queued_mark = self.staging.head
+            self._q.put((None, [], [], self._queued_mark, False))
 
     def _run(self) -> None:
         try:

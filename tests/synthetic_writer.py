@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -286,6 +287,26 @@ class SyntheticEngine:
         idx = which if which is not None else [r.i for r in self.reqs if not r.ended]
         self.engine.write_control(rf.RecordKind.LIVE, "", {"requests": [self.sc.request_id(i) for i in idx]})
 
+    def start_live(self, every_s: float = 1.0) -> None:
+        """LIVE records from a timer, whatever the steps do (idle included), as the engine-core hook
+        writes them: the requests begun and not ended."""
+        self._live_stop = threading.Event()
+
+        def tick() -> None:
+            while not self._live_stop.wait(every_s):
+                idx = [r.i for r in self.reqs if not r.ended]
+                self.engine.write_control_if_room(rf.RecordKind.LIVE, "", {
+                    "requests": [self.sc.request_id(i) for i in idx]})
+
+        self._live_thread = threading.Thread(target=tick, daemon=True)
+        self._live_thread.start()
+
+    def stop_live(self) -> None:
+        if getattr(self, "_live_thread", None) is not None:
+            self._live_stop.set()
+            self._live_thread.join()
+            self._live_thread = None
+
     def run(self, step_sleep: float = 0.0) -> None:
         self.begin()
         while self.run_step():
@@ -303,6 +324,7 @@ class SyntheticEngine:
             time.sleep(0.005)
 
     def close(self, unlink: bool = False) -> None:
+        self.stop_live()
         for w in [self.engine, *self.ranks]:
             w.close(unlink=unlink)
 

@@ -5,6 +5,8 @@ rings, writers in this process or in a child process."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -14,7 +16,7 @@ import numpy as np
 import pytest
 
 from synthetic_writer import Scenario, SyntheticEngine, expected
-from vllm_tap.client import CaptureLost, Chunk, Client, Gap
+from vllm_tap.client import CaptureLost, CaptureNotFound, Chunk, Client, Gap
 from vllm_tap.daemon.reassembly import END_LOST, NOT_CAPTURED_PREVIOUS, WRITER_GONE
 
 
@@ -176,3 +178,91 @@ def test_a_dead_writer_ends_its_captures_through_its_pidfd(daemon_factory, shm_d
     # two mechanisms apart.
     assert took < 5.0, took
     assert d.status()["writers_exited"] == 2
+
+
+# -- a daemon stopped, resumed and stopped again while captures run, then restarted while vLLM is idle --
+
+
+def _fetch_known(client: Client, rids: list[str], timeout: float) -> dict:
+    """Each capture the daemon knows, fetched (None for one it never saw), concurrently."""
+    got: dict = {}
+
+    def one(rid: str) -> None:
+        try:
+            got[rid] = client.fetch(rid, timeout=timeout)
+        except CaptureNotFound:
+            got[rid] = None
+
+    threads = [threading.Thread(target=one, args=(rid,)) for rid in rids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return got
+
+
+@pytest.mark.parametrize("after_s", [0.03, 0.1])
+@pytest.mark.parametrize("second_stop", ["SIGKILL", "SIGTERM"])
+def test_captures_end_after_the_daemon_is_stopped_resumed_and_stopped_again_then_restarted_idle(
+        daemon_factory, shm_dir, second_stop, after_s):
+    """SIGSTOP while captures run; the engine finishes them all (ENDs included) and goes idle; SIGCONT,
+    and 30-100 ms later, in the middle of reading the backlog, SIGKILL or SIGTERM; a new daemon.
+    Every capture the new daemon sees ends within a bounded time although nothing but the engine's
+    LIVE timer writes. A SIGTERM loses nothing a restart could deliver: the END of every capture
+    arrives (handed over when the stopped daemon had read it), and the only gap is the head the
+    stopped daemon delivered. (Before: captures whose END the first daemon had read waited forever,
+    `ended: false`, even with every position delivered.)"""
+    sc = Scenario(tp=2, n_requests=6, prompt_len=8, gen_len=40, chunk=8, vocab=1 << 17, hidden=64,
+                  ring_bytes=128 << 20)
+    d = daemon_factory(end_grace_s=1.0)
+    eng = SyntheticEngine(sc, shm_dir)
+    eng.start_live(0.2)
+    try:
+        eng.begin()
+        for _ in range(3):
+            eng.run_step()
+        _wait(lambda: _read_everything(d), what="the first steps")
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        while eng.run_step():  # the rest and every END, while the daemon is stopped
+            pass
+        os.kill(d.proc.pid, signal.SIGCONT)
+        time.sleep(after_s)
+        if second_stop == "SIGKILL":
+            d.kill()
+        else:
+            assert d.stop() == 0, d.log()
+        d.start()  # vLLM is idle: only its LIVE timer writes
+        _wait(lambda: _read_everything(d) and d.status()["requests_in_flight"] == 0, 30,
+              "every capture the new daemon saw to end")
+        caps = _fetch_known(d.client(), [sc.request_id(i) for i in range(sc.n_requests)], timeout=2)
+    finally:
+        eng.close()
+    known = {rid: c for rid, c in caps.items() if c is not None}
+    for rid, cap in known.items():
+        i = int(rid.rsplit("-", 1)[1])
+        exp = expected(sc, i)
+        pos = cap.positions.tolist()
+        assert pos == sorted(pos) and not set(pos) & set(cap.missing_positions), rid
+        assert sorted(pos + list(cap.missing_positions)) == list(range(sc.end_position)), rid
+        if pos:  # what came is what was written, and it is a tail: the head went with the first daemon
+            assert cap.logits.tobytes() == exp["logits"][pos[0]:].tobytes(), rid
+            assert pos == list(range(pos[0], sc.end_position)), rid
+        if second_stop == "SIGTERM":
+            assert cap.finish_reason == "length" and cap.end_position == sc.end_position, (rid, cap.finish_reason)
+        else:
+            assert cap.finish_reason in ("length", END_LOST), (rid, cap.finish_reason)
+
+
+@pytest.mark.parametrize("content", [b"\xff\x00junk", b"\x82\xa7version\x01\xa9instances\x81\xa1d\x91\x80"])
+def test_an_unusable_handover_is_one_logged_line_and_the_daemon_starts(daemon_factory, sock_dir, content):
+    """The handover file is decoded against its schema: garbage, or a capture missing its fields, is
+    ignored with one line (and removed), never a reason not to start."""
+    state = os.path.join(sock_dir, "state-h")
+    os.makedirs(state)
+    with open(os.path.join(state, "handover.msgpack"), "wb") as f:
+        f.write(content)
+    d = daemon_factory(state_dir=state)
+    assert d.status()["requests_in_flight"] == 0
+    assert not os.path.exists(os.path.join(state, "handover.msgpack"))
+    lines = [x for x in d.log().splitlines() if "handover" in x]
+    assert len(lines) == 1 and "ignored" in lines[0], lines

@@ -212,6 +212,33 @@ def test_overflow_drops_are_counted_reported_and_do_not_slow_the_writer(shm_dir)
     assert reported == set(range(n_ok, 200))
 
 
+def test_a_data_record_never_overtakes_a_drop_still_queued(shm_dir):
+    """A DROP waiting for room (a long prefill chunk's positions) goes out before any DATA record
+    written after it: the reader takes a position missing below data it has read as never
+    computed, so a DROP read after later data would report dropped positions as "not captured"."""
+    path = ring_path(shm_dir, "i", 0)
+    w = RingWriter(path, 1 << 16)
+    r = RingReader(path)
+    small = np.ones((1, 16), np.float32)
+    k = 0
+    while w.write("filler", LOGITS, [k], [0], small):  # full to the last small record (its DROP queued)
+        k += 1
+    chunk = np.arange(2000)
+    assert not w.write("req", LOGITS, chunk, chunk, np.ones((2000, 4), np.float32))  # its DROP is ~6 KB
+    assert w.backlog_records() == 2
+    r.poll(max_records=2)  # room for a small record, not for the DROP
+    assert not w.write("req", LOGITS, [2000], [0], small)  # behind the DROP: dropped, not written ahead of it
+    order = []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        order += [(x.kind, x.request_id) for x in r.poll() if x.request_id == "req"]
+        if w.flush() and not r.pending_bytes():
+            break
+    assert order == [(rf.RecordKind.DROP, "req"), (rf.RecordKind.DROP, "req")]
+    assert w.write("req", LOGITS, [2001], [0], small)  # room again: written
+    assert [(x.kind, x.positions.tolist()) for x in r.poll()] == [(rf.RecordKind.DATA, [2001])]
+
+
 def _slow_reader(path: str, n: int, q) -> None:
     r = RingReader(path)
     got = []

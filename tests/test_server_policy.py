@@ -17,6 +17,7 @@ import concurrent.futures as cf
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -293,6 +294,91 @@ def _rss_mib(pgid: int, field: str = "RssAnon") -> dict[int, tuple[str, float]]:
         except (OSError, KeyError, ValueError):
             continue
     return out
+
+
+# -- a daemon stopped, resumed and stopped again while captures run, restarted while vLLM is idle --
+
+
+def _run_while_the_daemon_is_stopped(stack, n: int = 8) -> list[str]:
+    """SIGSTOP the daemon, run n capturing requests to their end (ENDs written), SIGCONT."""
+    stack.sync()
+    os.kill(stack.daemon.proc.pid, signal.SIGSTOP)
+    try:
+        with cf.ThreadPoolExecutor(n) as ex:
+            rs = list(ex.map(lambda i: stack.complete(prompt_text(_ids(10 + i, 40 + i)), {"tap": 1}, max_tokens=24),
+                             range(n)))
+    finally:
+        os.kill(stack.daemon.proc.pid, signal.SIGCONT)
+    return [r.id for r in rs]
+
+
+def _restart_idle_and_wait_for_every_capture_to_end(stack) -> dict:
+    stack.daemon.start()  # vLLM is idle from here on: nothing but its engine's LIVE timer writes
+    deadline = time.monotonic() + 30
+    while True:
+        s = stack.client.status()
+        if s["rings"] and all(r["pending_bytes"] == 0 for r in s["rings"]) and s["requests_in_flight"] == 0:
+            return s
+        assert time.monotonic() < deadline, ("captures still in flight", s["requests"][:4])
+        time.sleep(0.1)
+
+
+def _fetch_known(stack, ids: list[str]) -> dict:
+    def one(rid):
+        try:
+            return stack.client.fetch(rid, timeout=3)
+        except CaptureNotFound:
+            return None  # the stopped daemon had read all of it: the new one never sees it
+
+    with cf.ThreadPoolExecutor(len(ids)) as ex:
+        return dict(zip(ids, ex.map(one, ids)))
+
+
+def _every_position_once(cap) -> None:
+    start, stop = cap.expected
+    pos = cap.positions.tolist()
+    assert sorted(pos + list(cap.missing_positions)) == list(range(start, stop)), cap.request_id
+
+
+def test_captures_whose_end_a_killed_daemon_took_end_with_vllm_idle(stack):
+    """The daemon SIGKILLed after it read the ENDs of captures whose data it had not read (here: the
+    engine ring is read up to the end by hand while the daemon is stopped, as a daemon reading the
+    engine ring first does), then restarted while vLLM is idle. The new daemon reads their data,
+    never their END; the engine's LIVE timer, which writes whether or not anything runs, tells it
+    nothing of them runs: they end `end lost` within seconds (before: never, `ended: false`)."""
+    from vllm_tap.ring import RingReader
+
+    ids = _run_while_the_daemon_is_stopped(stack)
+    stack.daemon.proc.kill()
+    stack.daemon.proc.wait()
+    engine = RingReader(os.path.join(stack.shm, "pol", "engine.ring"))
+    taken = engine.poll()  # what the killed daemon read: every END of them, in the persisted cursor
+    engine.close()
+    assert len([r for r in taken if r.kind.name == "END"]) == len(ids)
+    s = _restart_idle_and_wait_for_every_capture_to_end(stack)
+    caps = _fetch_known(stack, ids)
+    assert all(caps.values()), [i for i, c in caps.items() if c is None]  # all their data was in the worker ring
+    for cap in caps.values():
+        assert cap.finish_reason == "end lost" and cap.end_position is None, cap.finish_reason
+        _every_position_once(cap)
+    assert s["reassembly"]["ends_lost"] >= len(ids)
+
+
+@pytest.mark.parametrize("after_s", [0.03, 0.1])
+def test_captures_end_after_sigstop_sigcont_and_a_sigterm_with_vllm_idle(stack, after_s):
+    """SIGSTOP while captures run, SIGCONT, SIGTERM 30-100 ms later (the systemd stop), a new daemon
+    while vLLM is idle: every capture it sees ends, with its END (the stopped daemon hands over what
+    it read and did not deliver), every position once as data or as the head it delivered."""
+    ids = _run_while_the_daemon_is_stopped(stack)
+    time.sleep(after_s)
+    stack.daemon.proc.send_signal(signal.SIGTERM)
+    assert stack.daemon.proc.wait(30) == 0
+    _restart_idle_and_wait_for_every_capture_to_end(stack)
+    for rid, cap in _fetch_known(stack, ids).items():
+        if cap is None:
+            continue
+        assert cap.finish_reason == "length" and cap.end_position is not None, (rid, cap.finish_reason)
+        _every_position_once(cap)
 
 
 def test_vllm_memory_stays_flat_while_the_daemon_is_stopped(stack):

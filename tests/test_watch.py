@@ -107,6 +107,8 @@ def test_whole_captures_in_seq_order_with_exact_values_and_every_filter(daemon_p
             x = by_rid[sc.request_id(i)]
             assert_capture(sc, i, capture_arrays(x.capture))
             assert (x.instance, x.source, x.model, x.tap_key) == (sc.instance, sc.source, sc.model, sc.key(i))
+            # One source for a capture's metadata: its begin, end and stacked capture say the same.
+            assert (x.begin.source, x.end.source, x.capture.source) == (sc.source,) * 3, x.request_id
             assert x.end.reason == "length" and x.capture.complete
     assert everything.w.last_seq == caps[-1].seq and not everything.of(LostCaptures)
     want = {

@@ -115,8 +115,8 @@ def _tokens(rid, start, n=1, instance="default"):
                   {"logits": 1}, 0.0)
 
 
-def _end(rid, instance="default", stop=3):
-    return End(instance, rid, "stop", 2, 1, [5], stop, (0, stop), [], stop, 0.0)
+def _end(rid, instance="default", stop=3, source="client"):
+    return End(instance, rid, "stop", 2, 1, [5], stop, (0, stop), [], stop, 0.0, source)
 
 
 class Rig:
@@ -412,7 +412,7 @@ def test_whole_mode_late_begin_completes_the_head_capture_without_losing_its_dat
     r.file(lazy, _tokens("a", 0), _tokens("a", 1))
     assert _feed(st, r.msgs(b"w")) == []
     full = Begin("default", "a", "key", 2, [1, 2], 1, "m", {"source": "policy"}, 0, True, True, 0.0, "policy")
-    r.file(full, _tokens("a", 2), _end("a", stop=3))
+    r.file(full, _tokens("a", 2), _end("a", stop=3, source="policy"))  # the reassembler's END says what the BEGIN did
     m = r.msgs(b"w")
     assert [(x["type"], x.get("model")) for x in m][:1] == [("begin", "m")]  # sent again, fuller
     (cap,) = _feed(st, m)

@@ -357,8 +357,17 @@ class RingWriter:
         self._reserved = w + total
         return start, w
 
+    def _reserve_data(self, total: int) -> tuple[int, int] | None:
+        """Room for a DATA record, behind every queued control record: one that stays queued (a
+        DROP of an earlier step) is never overtaken, because the reader takes a position missing
+        below data it has read as never computed; read after that data, the DROP would come too
+        late and its positions would be reported "not captured" instead of "dropped"."""
+        if self._backlog and not self._flush_backlog():
+            return None
+        return self._try_reserve(total)
+
     def _reserve_blocking(self, total: int) -> tuple[int, int] | None:
-        got = self._try_reserve(total)
+        got = self._reserve_data(total)
         if got is not None or self.block_timeout <= 0 or total > self.capacity:
             return got
         deadline = time.monotonic() + self.block_timeout
@@ -368,7 +377,7 @@ class RingWriter:
                 time.sleep(0.0002)
             finally:
                 self._lock.acquire()
-            got = self._try_reserve(total)
+            got = self._reserve_data(total)
             if got is not None:
                 return got
         return None
@@ -585,8 +594,6 @@ class RingWriter:
                 self._lost["records"] += 1
                 return None
             self._checked = True
-            if self._backlog:  # nothing queued: nothing to flush (and nothing left to publish)
-                self._flush_backlog()
             got = self._reserve_blocking(total)
             if got is None:
                 for sec in sections:
@@ -643,6 +650,17 @@ class RingWriter:
             self._prepared.clear()
         prep = self._prepared[key] = (prefix, slots_off, ids_off, sec_table, sec_off, offsets, nbytes, total)
         return prep
+
+    def drop_rows(self, table: RequestTable, rows: np.ndarray, tensor: TensorId, nbytes: int) -> None:
+        """A record the caller could not write (its own buffers were full): counted with the ring's
+        drops and reported like them, by one DROP record per request in it."""
+        with self._lock:
+            if not self._usable():
+                self._lost["records"] += 1
+                return
+            self._drop(table, rows[0], rows[1], tensor, nbytes)
+            self._flush_backlog()
+        self._wake()
 
     def _drop(self, table: RequestTable, slots: np.ndarray, positions: np.ndarray, tensor: TensorId, total: int) -> None:
         self._bump("records_dropped")
