@@ -68,7 +68,25 @@ def machine_info() -> dict[str, Any]:
                     info["mem_gib"] = round(int(line.split()[1]) / (1 << 20), 1)
     except OSError:
         pass
+    gpu = _gpu_name()
+    if gpu:
+        info["gpu"] = gpu
     return info
+
+
+def _gpu_name() -> str:
+    """The first NVIDIA card's name (nvidia-smi), "" without one: no torch import for it."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return ""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.strip().splitlines()[0] if out.strip() else ""
 
 
 def proc_cpu_seconds(pid: int) -> float:

@@ -183,7 +183,8 @@ def _machine(results: dict[str, Any]) -> list[str]:
     loads = [f"{k} {l[0]:.1f}" for k, l in load if l]
     lines = [
         f"Measured {m.get('started', '?')} on {m.get('cpu', '?')}, {m.get('cpus', '?')} CPUs, {m.get('mem_gib', '?')} GiB, "
-        f"Python {m.get('python', '?')}; vLLM CPU backend (float32, eager).",
+        f"Python {m.get('python', '?')}; " + (
+            f"vLLM on {m['gpu']} (bf16, compiled, CUDA graphs)." if m.get("gpu") else "vLLM CPU backend (float32, eager)."),
     ]
     if loads:
         lines.append(f"1-minute load average when the parts started: {', '.join(loads)} "
@@ -258,7 +259,8 @@ def _small_md(sv: dict[str, Any]) -> list[str]:
     mdl = p["model"]
     out = [
         f"Preset `{p.get('preset', 'default')}`: random Llama, {mdl['num_layers']} layers × {mdl['hidden_size']} hidden, "
-        f"{mdl['num_heads']} heads, {mdl['num_kv_heads']} KV heads, MLP {mdl['intermediate_size']}, float32; "
+        f"{mdl['num_heads']} heads, {mdl['num_kv_heads']} KV heads, MLP {mdl['intermediate_size']}, "
+        f"{'bfloat16 on the GPU' if p.get('device') == 'cuda' else 'float32'}; "
         f"{p['num_requests']} requests × ({p['prompt_len']} prompt + {p['output_len']} output tokens, ignore_eos), "
         f"concurrency {p['concurrency']}, streamed; {p['repeats']} repeats after {p.get('warmup_rounds', 0)} unmeasured "
         f"round(s), configurations interleaved (order rotated each repeat). Layers captured by (h): {p['tap_layers']}; (t) is top-{p.get('topk', 20)}. Every capturing "
