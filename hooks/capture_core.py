@@ -27,10 +27,15 @@ Rules kept here (performance and correctness):
   capture (learned at admission, forgotten at finish, by the runner adapter) and with none of them
   in the step it returns at once. Otherwise one lookup of its batch row (`StepView.row_of`) and a few
   integer operations per *capturing* request; requests that do not capture cost nothing per step,
-  however many there are. Then one ring record per captured tensor for the whole batch, its rows
-  gathered by one copy (two for logits: extra-pass rows, then sampled rows), whatever the number of
-  requests. No per-token Python, no device sync. Per-request work (spec, parts, request-table
-  entry) is done once, when the request is learned.
+  however many there are. Then one ring record per set of requests asking the same tensors and
+  per phase (states, then logits), a section per tensor: the rows' ids gathered once, each
+  tensor's rows by one copy (two for logits: extra-pass rows, then sampled rows), top-k and
+  logsumexp once for every row that needs them. So a step issues the same torch calls for 8 or 64
+  requests (tests/test_hook_ops.py counts them); on a GPU each call is microseconds of the step
+  thread's host time, so their number is the cost to keep down. No per-token Python, no device
+  sync. Per-request work (spec, parts, request-table entry) is done once, when the request is
+  learned. The runner adapters do nothing at all in a step in which nobody captures, and count
+  the host time of those in which someone does (hooks/cost.py).
 - A decode step of an unchanged batch (every capturing request one row, its sampled one, inside
   its live range; the same requests at the same batch rows) is planned from a layout kept from the
   step that first saw that batch: request table, parts, row-table buffer, and in the ring writer
