@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 PARTS = ("serving", "hook", "transport")
-ALONE = ("record",)  # parts that `all` does not run
+ALONE = ("record", "ingest")  # parts that `all` does not run
 LATEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "LATEST.md")
 
 
@@ -132,6 +132,14 @@ def bench(what: str, out: str, into: str | None, quick: bool, repeats: int | Non
                 p.repeats = repeats
             results["record"] = record.run(p, echo)
             click.echo(record.table(results["record"]))
+        elif part == "ingest":
+            from vllm_tap.tools.bench import ingest
+
+            p = ingest.IngestParams.quick() if quick else ingest.IngestParams()
+            if repeats:
+                p.repeats = repeats
+            results["ingest"] = ingest.run(p, outdir, echo)
+            click.echo(ingest.table(results["ingest"]))
         elif part == "transport":
             from vllm_tap.tools.bench import transport
 

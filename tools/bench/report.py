@@ -460,6 +460,10 @@ def markdown(results: dict[str, Any], title: str = "vllm-tap benchmark") -> str:
         lines += hook_md(results["hook"])
     if results.get("transport"):
         lines += transport_md(results["transport"])
+    if results.get("ingest"):
+        from vllm_tap.tools.bench import ingest
+
+        lines += ["## Ingest: a GPU worker's steps into the daemon", "", ingest.table(results["ingest"]), ""]
     notes = results.get("notes")
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]

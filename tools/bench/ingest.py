@@ -1,0 +1,257 @@
+"""Ingest: how fast a real `vllm-tap daemon` takes in what a GPU worker writes, against the box's
+tmpfs→tmpfs copy rate measured in the same run.
+
+A writer process writes steps shaped like a GPU worker's into its rank ring (`block_timeout`: it
+waits for room instead of dropping, so once the ring is full the writer runs at the daemon's pace),
+with BEGIN and END records for every capture in the engine ring, as the hook and the engine core
+write them:
+  logits   64 decoding requests capturing full logits at vocabulary 128256, bf16 (16.4 MB a step)
+  topk     64 decoding requests capturing top-20 (ids, values and the row's logsumexp: 8 kB a step)
+Each step is one record of one section per tensor (ring format 5), or, with a writer without
+sections (ring format 4, the code before 2026-11-26), one record per tensor: the same bench runs
+against either, so the two are compared on one box. Nobody subscribes: the daemon reads, checks,
+reassembles and retains (evicting the oldest), which is its work for every capture whoever reads it.
+
+Reported per shape and repeat: steps/s and GB/s of payload from the first measured step committed
+to the daemon having read the last one (the ring drained: the daemon's pace, which bounds the
+writer's too), the daemon's CPU seconds per GB and per 1000 steps (utime+stime from /proc, over the
+whole trial, warm-up steps included), and the tmpfs copy rate (a numpy copy of 256 MiB
+between two /dev/shm files, before every trial). Targets: logits ingest ≥ 50 % of the copy rate;
+topk ≥ 5,000 steps/s (a fast GPU decodes ~200–1,000 steps/s).
+"""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vllm_tap.tools.bench import loadavg, median, proc_cpu_seconds, spread
+
+INSTANCE = "ingest"
+MiB = 1 << 20
+SHAPES = ("logits", "topk")
+TARGET_COPY_SHARE = 0.5
+TARGET_TOPK_STEPS = 5000.0
+
+
+@dataclass
+class IngestParams:
+    requests: int = 64
+    vocab: int = 128256
+    topk: int = 20
+    steps: dict[str, int] = field(default_factory=lambda: {"logits": 400, "topk": 20000})
+    warm_steps: dict[str, int] = field(default_factory=lambda: {"logits": 48, "topk": 2000})
+    # Steps per capture: the requests end and new ones begin every `wave` steps, so what the daemon
+    # holds in flight stays bounded (64 x 16 steps of full logits: 262 MB).
+    wave: dict[str, int] = field(default_factory=lambda: {"logits": 16, "topk": 1000})
+    ring_bytes: int = 256 * MiB
+    repeats: int = 3
+    copy_bytes: int = 256 * MiB
+
+    @classmethod
+    def quick(cls) -> "IngestParams":
+        return cls(steps={"logits": 48, "topk": 2000}, warm_steps={"logits": 16, "topk": 400}, ring_bytes=64 * MiB,
+                   repeats=1, copy_bytes=64 * MiB)
+
+
+def tmpfs_copy_rate(nbytes: int, reps: int = 5) -> float:
+    """Bytes/s of a numpy copy from one /dev/shm file's mapping into another's (pages touched first)."""
+    d = tempfile.mkdtemp(prefix="vllm-tap-ingest-copy-", dir="/dev/shm")
+    maps = []
+    try:
+        for name in ("a", "b"):
+            fd = os.open(os.path.join(d, name), os.O_RDWR | os.O_CREAT, 0o600)
+            os.ftruncate(fd, nbytes)
+            maps.append(mmap.mmap(fd, nbytes))
+            os.close(fd)
+        src, dst = (np.frombuffer(m, np.uint8) for m in maps)
+        src[:] = 7
+        dst[:] = 0
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            np.copyto(dst, src)
+            times.append(time.perf_counter() - t)
+        del src, dst
+        return nbytes / median(times)
+    finally:
+        for m in maps:
+            m.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _sections(shape: str, p: IngestParams) -> list[tuple]:
+    from vllm_tap import ring_format as rf
+    from vllm_tap.records import TensorId
+
+    if shape == "logits":
+        return [(TensorId(rf.TensorKind.LOGITS), rf.DType.BFLOAT16, p.vocab, (0, p.vocab), p.vocab)]
+    k = p.topk
+    return [(TensorId(rf.TensorKind.TOPK_IDS), rf.DType.INT32, k, (0, k), k),
+            (TensorId(rf.TensorKind.TOPK_VALUES), rf.DType.BFLOAT16, k, (0, k), k),
+            (TensorId(rf.TensorKind.LOGSUMEXP), rf.DType.FLOAT32, 1, (0, 1), 1)]
+
+
+def _writer_main(shm: str, shape: str, p_dict: dict, prefix: str, results: Any, close: Any) -> None:
+    """Waves of 64 captures (BEGIN, `wave` decode steps, END) for `warm + steps` steps, as fast as
+    the ring allows."""
+    from vllm_tap import ring_format as rf
+    from vllm_tap.records import RequestRef, RequestTable
+    from vllm_tap.ring import RingWriter, ring_path
+    from vllm_tap.spec import CaptureSpec, LogitsMode, PositionsMode
+
+    p = IngestParams(**p_dict)
+    n, prompt, wave = p.requests, 16, p.wave[shape]
+    spec = (CaptureSpec(layers=(), positions=PositionsMode.OUTPUT) if shape == "logits" else
+            CaptureSpec(logits=LogitsMode.TOPK, topk=p.topk, layers=(), positions=PositionsMode.OUTPUT))
+    meta = spec.to_meta()
+    sections = _sections(shape, p)
+    eng = RingWriter(ring_path(shm, INSTANCE, rf.ENGINE_RANK), 16 * MiB, rank=rf.ENGINE_RANK)
+    w = RingWriter(ring_path(shm, INSTANCE, 0), p.ring_bytes, block_timeout=60.0)
+    rows = np.zeros((3, n), np.int32)
+    rows[0] = np.arange(n)
+    rng = np.random.default_rng(0)
+    payloads = [rng.integers(0, 1 << 15, (n, sec[2]), dtype=np.int32).astype(rf.storage_dtype(sec[1]))
+                for sec in sections]
+    sectioned = hasattr(w, "reserve_sections")
+    warm, steps = p.warm_steps[shape], p.steps[shape]
+    stamps = []
+    nbytes = sum(x.nbytes for x in payloads)
+
+    def control(kind, rids, body):
+        for rid in rids:
+            eng.write_control(kind, rid, body)
+        while not eng.flush():
+            time.sleep(0.0005)
+
+    try:
+        for k in range(warm + steps):
+            j = k % wave
+            if j == 0:
+                rids = [f"{prefix}-{k // wave}-{i}" for i in range(n)]
+                control(rf.RecordKind.BEGIN, rids, {"spec": meta, "source": "client", "num_prompt_tokens": prompt,
+                                                    "prompt_token_ids": list(range(3, 3 + prompt)), "n": 1,
+                                                    "model": "bench", "async_scheduling": False})
+                table = RequestTable([RequestRef(rid, "", prompt, 1, len(sections), prompt - 1, 0, "client")
+                                      for rid in rids])
+            rows[1] = prompt - 1 + j
+            rows[2] = 3 + j
+            if sectioned:
+                res = w.reserve_sections(table, rows, tuple(sections), step=k + 1)
+                if res is not None:
+                    buf = np.frombuffer(w.buffer, np.uint8)
+                    for (at, nb), x in zip(res.sections, payloads):
+                        buf[at : at + nb] = x.reshape(-1).view(np.uint8)
+                    w.commit(res)
+            else:  # one record per tensor, as the hook wrote them before sections
+                for sec, x in zip(sections, payloads):
+                    res = w.reserve_rows(table, rows, sec[0], dtype=sec[1], width=sec[2], slice_=sec[3],
+                                         full_dim=sec[4], step=k + 1)
+                    if res is not None:
+                        res.payload[:] = x.reshape(-1).view(np.uint8)
+                        w.commit(res)
+            if k >= warm:
+                stamps.append(time.perf_counter())
+            if j == wave - 1 or k == warm + steps - 1:
+                control(rf.RecordKind.END, rids, {"reason": "length", "num_prompt_tokens": prompt,
+                                                  "num_output_tokens": j + 2, "output_token_ids": [],
+                                                  "end_position": prompt + j, "spec": meta, "source": "client"})
+        results.put({"steps": steps, "t_first": stamps[0], "t_last": stamps[-1], "bytes": nbytes * steps,
+                     "dropped": w.stats()["records_dropped"], "sections": sectioned, "ring": w.path})
+        close.get(timeout=900)  # alive until the daemon has read it all (a gone writer ends its captures)
+    finally:
+        w.close()
+        eng.close()
+
+
+def _trial(shape: str, p: IngestParams, daemon_pid: int, shm: str, tag: str) -> dict[str, Any]:
+    """One writer run; the daemon's pace is the measured steps over the time from the first of them
+    committed to the daemon having read the last (the ring drained: it bounds the writer's pace
+    too, since the writer waits for room)."""
+    from vllm_tap.ring import read_info
+
+    ctx = mp.get_context("spawn")
+    results, close = ctx.Queue(), ctx.Queue()
+    cpu0 = proc_cpu_seconds(daemon_pid)
+    proc = ctx.Process(target=_writer_main, args=(shm, shape, asdict(p), tag, results, close))
+    proc.start()
+    try:
+        got = results.get(timeout=900)
+        deadline = time.monotonic() + 600
+        while read_info(got["ring"]).backlog_bytes and time.monotonic() < deadline:
+            time.sleep(0.001)
+        t_end = time.perf_counter()  # CLOCK_MONOTONIC, as the writer's stamps
+    finally:
+        close.put(None)
+        proc.join(60)
+    cpu = proc_cpu_seconds(daemon_pid) - cpu0
+    secs = t_end - got["t_first"]
+    return {"shape": shape, "steps_per_s": got["steps"] / secs, "gbps": got["bytes"] / secs / 1e9,
+            "writer_steps_per_s": got["steps"] / max(got["t_last"] - got["t_first"], 1e-9),
+            "daemon_cpu_s_per_gb": cpu / (got["bytes"] / 1e9) if got["bytes"] else float("nan"),
+            "daemon_cpu_s_per_kstep": cpu / got["steps"] * 1e3, "dropped": got["dropped"],
+            "sections": got["sections"]}
+
+
+def run(p: IngestParams, workdir: str, echo=print) -> dict[str, Any]:
+    from vllm_tap.tools.launch import DaemonHandle
+
+    shm = tempfile.mkdtemp(prefix="vllm-tap-bench-ingest-", dir="/dev/shm")
+    sock = tempfile.mkdtemp(prefix="vti-")
+    daemon = DaemonHandle(shm, f"ipc://{sock}/tap.sock", os.path.join(workdir, "ingest-daemon.log"))
+    trials: list[dict[str, Any]] = []
+    t0, load0 = time.time(), loadavg()
+    try:
+        daemon.start(extra=["--log-level", "WARNING"])
+        for r in range(p.repeats):
+            for shape in (SHAPES if r % 2 == 0 else SHAPES[::-1]):
+                copy = tmpfs_copy_rate(p.copy_bytes)
+                row = _trial(shape, p, daemon.proc.pid, shm, f"r{r}-{shape}")
+                row.update(repeat=r, copy_gbps=copy / 1e9, share_of_copy=row["gbps"] / (copy / 1e9))
+                trials.append(row)
+                echo(f"  ingest r{r} {shape}: {row['steps_per_s']:.0f} steps/s, {row['gbps']:.3f} GB/s "
+                     f"({100 * row['share_of_copy']:.0f} % of tmpfs copy {copy / 1e9:.2f} GB/s), daemon "
+                     f"{row['daemon_cpu_s_per_gb']:.2f} CPU s/GB, {row['dropped']} dropped")
+    finally:
+        daemon.stop()
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(sock, ignore_errors=True)
+    return {"params": asdict(p), "trials": trials, "summary": summarise(trials), "loadavg_start": load0,
+            "loadavg_end": loadavg(), "seconds": time.time() - t0}
+
+
+def summarise(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for shape in SHAPES:
+        ts = [t for t in trials if t["shape"] == shape]
+        if not ts:
+            continue
+        out[shape] = {k: median(t[k] for t in ts) for k in
+                      ("steps_per_s", "gbps", "share_of_copy", "copy_gbps", "daemon_cpu_s_per_gb", "daemon_cpu_s_per_kstep")}
+        out[shape]["steps_range"] = spread(t["steps_per_s"] for t in ts)
+        out[shape]["dropped"] = sum(t["dropped"] for t in ts)
+        out[shape]["sections"] = ts[0]["sections"]
+    return out
+
+
+def table(res: dict[str, Any]) -> str:
+    s = res["summary"]
+    lines = ["| shape | records a step | steps/s | GB/s | % of tmpfs copy | daemon CPU s/GB | daemon CPU ms / 1000 steps "
+             "| target | met |", "|---|---|--:|--:|--:|--:|--:|---|---|"]
+    for shape, row in s.items():
+        target = (f"≥ {TARGET_COPY_SHARE:.0%} of copy" if shape == "logits" else f"≥ {TARGET_TOPK_STEPS:.0f} steps/s")
+        met = (row["share_of_copy"] >= TARGET_COPY_SHARE if shape == "logits" else row["steps_per_s"] >= TARGET_TOPK_STEPS)
+        per_step = "1 (sections)" if row["sections"] else f"{1 if shape == 'logits' else 3} (one per tensor)"
+        lo, hi = row["steps_range"]
+        lines.append(f"| {shape} | {per_step} | {row['steps_per_s']:.0f} ({lo:.0f}–{hi:.0f}) | {row['gbps']:.3f} "
+                     f"| {100 * row['share_of_copy']:.0f} % | {row['daemon_cpu_s_per_gb']:.2f} "
+                     f"| {row['daemon_cpu_s_per_kstep'] * 1e3:.0f} | {target} | {'met' if met else '**missed**'} |")
+    return "\n".join(lines)
