@@ -54,7 +54,8 @@ import zmq
 
 from vllm_tap import ring_format as rf
 from vllm_tap import wire_format as wf
-from vllm_tap.ring import RingBroken, RingFormatError, RingReader
+from vllm_tap.ring_files import RingFormatError
+from vllm_tap.ring_reader import RingBroken, RingReader
 from vllm_tap.ring_schema import tensor_id
 
 from vllm_tap.daemon import handover

@@ -47,7 +47,7 @@ import torch
 
 from vllm_tap import ring_format as rf
 from vllm_tap.records import RequestTable, TensorId
-from vllm_tap.ring import Reservation, RingWriter
+from vllm_tap.ring_writer import Reservation, RingWriter
 
 log = logging.getLogger("vllm_tap.hooks")
 

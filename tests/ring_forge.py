@@ -18,7 +18,7 @@ import numpy as np
 
 from vllm_tap import ring_format as rf
 from vllm_tap.doorbell import DoorbellPush, doorbell_path
-from vllm_tap.ring import ring_path
+from vllm_tap.ring_files import ring_path
 
 
 def pack(obj: Any) -> bytes:

@@ -27,7 +27,8 @@ import numpy as np
 
 from vllm_tap import ring_format as rf
 from vllm_tap.records import RequestRef, RequestTable, TensorId
-from vllm_tap.ring import RingWriter, ring_path
+from vllm_tap.ring_files import ring_path
+from vllm_tap.ring_writer import RingWriter
 from vllm_tap.spec import CaptureSpec, LogitsMode
 
 DTYPE_CODES = {"float32": rf.DType.FLOAT32, "float16": rf.DType.FLOAT16, "bfloat16": rf.DType.BFLOAT16}

@@ -311,7 +311,7 @@ def test_squatted_runtime_and_shm_directories_stop_start_up_with_one_line(world)
         r = daemon("--shm-dir", f"{a.shm}-link", "--endpoint", a.endpoint + "-x")
         assert r.returncode == 2 and "symbolic link" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         # The hook's side: vLLM's account will not make rings in a squatted shm directory.
-        code = ("import sys\nfrom vllm_tap.ring import RingWriter, ring_path\nfrom vllm_tap.safe_paths import UnsafePath\n"
+        code = ("import sys\nfrom vllm_tap.ring_files import ring_path\nfrom vllm_tap.ring_writer import RingWriter\nfrom vllm_tap.safe_paths import UnsafePath\n"
                 "try:\n    RingWriter(ring_path(sys.argv[1], 'i', 0), 1 << 16, group=sys.argv[2], mode=0o660)\n"
                 "except UnsafePath as e:\n    print(e); sys.exit(3)\n")
         r = _as(a.vllm, "-c", code, f"{a.shm}-squat", a.rings)

@@ -27,7 +27,8 @@ from vllm_tap.client.arena import OVERWRITTEN, ArenaError, ArenaView, wanted
 from vllm_tap.daemon.arena import Arena
 from vllm_tap.daemon.reassembly import Reassembler, Tokens
 from vllm_tap.records import TensorId
-from vllm_tap.ring import RingReader, RingWriter
+from vllm_tap.ring_reader import RingReader
+from vllm_tap.ring_writer import RingWriter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

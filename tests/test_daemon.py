@@ -368,7 +368,8 @@ def test_in_process_daemon_hooks_snapshot_and_stop_from_another_thread(shm_dir, 
         # through its doorbell rather than its timer.
         from vllm_tap import ring_format as rf
         from vllm_tap.records import TensorId
-        from vllm_tap.ring import RingWriter, ring_path
+        from vllm_tap.ring_files import ring_path
+        from vllm_tap.ring_writer import RingWriter
 
         w = RingWriter(ring_path(shm_dir, "bell", 0), 1 << 16)
         try:

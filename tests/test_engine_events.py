@@ -16,7 +16,8 @@ from vllm_tap.hooks import engine_events
 from vllm_tap.hooks.engine_events import EngineEvents
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
 from vllm_tap.identity import N_EXTRA_ARG
-from vllm_tap.ring import RingReader, ring_path
+from vllm_tap.ring_files import ring_path
+from vllm_tap.ring_reader import RingReader
 from vllm_tap.spec import CaptureSpec, ServerCaptureConfig
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from synthetic_writer import Scenario, SyntheticEngine, assert_capture, capture_arrays, expected
 from vllm_tap.client import Client
-from vllm_tap.ring import RingReader
+from vllm_tap.ring_reader import RingReader
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (needs root)")
 

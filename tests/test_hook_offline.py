@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from reference import hf_forward, shutdown_llm, tiny_model, vllm_logprob_rows
-from vllm_tap.ring import RingReader
+from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_format import RecordKind
 from vllm_tap.tools.tiny_model import TinyLlamaSpec, prompt_text
 

@@ -79,7 +79,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
     g = import_graph()
-    assert {"vllm_tap.ring", "vllm_tap.cli", "vllm_tap.daemon.server", "vllm_tap.client.stream"} <= set(g)
+    assert {"vllm_tap.ring_writer", "vllm_tap.ring_reader", "vllm_tap.cli", "vllm_tap.daemon.server", "vllm_tap.client.stream"} <= set(g)
     return g
 
 

@@ -25,7 +25,9 @@ from vllm_tap.daemon.reassembly import DROPPED, End, Gap, Reassembler, Tokens
 from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView
 from vllm_tap.hooks.publisher import HostBackend, StagedPublisher, staging_bytes
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
-from vllm_tap.ring import RingReader, RingWriter, ring_path
+from vllm_tap.ring_files import ring_path
+from vllm_tap.ring_reader import RingReader
+from vllm_tap.ring_writer import RingWriter
 from vllm_tap.spec import CaptureSpec, LogitsMode, PositionsMode
 
 HIDDEN, VOCAB, LAYERS = 32, 1024, (1, 3)

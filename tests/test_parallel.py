@@ -23,7 +23,7 @@ from parallel_engine import POLICY, PROMPTS
 from vllm_tap.client import CaptureNotFound, Client
 from vllm_tap.policy import selects
 from vllm_tap.tools.launch import DaemonHandle
-from vllm_tap.ring import read_info
+from vllm_tap.ring_reader import read_info
 
 pytestmark = pytest.mark.vllm
 

@@ -19,7 +19,7 @@ import pytest
 
 from reference import hf_forward, shutdown_llm, tiny_model
 from vllm_tap.daemon.reassembly import End, Reassembler, Tokens
-from vllm_tap.ring import RingReader
+from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_format import RecordKind
 from vllm_tap.tools.tiny_model import prompt_text
 

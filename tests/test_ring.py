@@ -15,7 +15,9 @@ import pytest
 
 from vllm_tap import ring_format as rf
 from vllm_tap.records import RequestRef, RequestTable, TensorId
-from vllm_tap.ring import RingFormatError, RingReader, RingWriter, read_info, ring_path
+from vllm_tap.ring_files import RingFormatError, ring_path
+from vllm_tap.ring_reader import RingReader, read_info
+from vllm_tap.ring_writer import RingWriter
 from vllm_tap.spec import CaptureSpec
 
 LOGITS = TensorId(rf.TensorKind.LOGITS)

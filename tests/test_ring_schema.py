@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from ring_forge import RingForge, control, data, entry, pack
 from vllm_tap import ring_format as rf
 from vllm_tap.records import RingRecord
-from vllm_tap.ring import RingBroken, RingReader
+from vllm_tap.ring_reader import RingBroken, RingReader
 from vllm_tap.ring_schema import (
     MAX_POSITION, BeginMeta, DropMeta, EndMeta, LiveMeta, Rejected, decode_record,
 )

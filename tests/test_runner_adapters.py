@@ -44,7 +44,8 @@ from vllm_tap.hooks import runner_v1, runner_v2
 from vllm_tap.hooks.capture_core import CaptureCore, RankPlace
 from vllm_tap.hooks.publisher import Publisher
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
-from vllm_tap.ring import RingReader, RingWriter
+from vllm_tap.ring_reader import RingReader
+from vllm_tap.ring_writer import RingWriter
 from vllm_tap.ring_format import RecordKind
 from vllm_tap.spec import CaptureSpec, LogitsMode, PositionsMode
 

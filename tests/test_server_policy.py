@@ -346,7 +346,7 @@ def test_captures_whose_end_a_killed_daemon_took_end_with_vllm_idle(stack):
     engine ring first does), then restarted while vLLM is idle. The new daemon reads their data,
     never their END; the engine's LIVE timer, which writes whether or not anything runs, tells it
     nothing of them runs: they end `end lost` within seconds (before: never, `ended: false`)."""
-    from vllm_tap.ring import RingReader
+    from vllm_tap.ring_reader import RingReader
 
     ids = _run_while_the_daemon_is_stopped(stack)
     stack.daemon.proc.kill()
@@ -441,7 +441,7 @@ def _rings(stack) -> list[str]:
 
 
 def _ring_stats(path: str) -> dict:
-    from vllm_tap.ring import read_info
+    from vllm_tap.ring_reader import read_info
 
     return read_info(path).stats
 

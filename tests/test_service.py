@@ -38,7 +38,9 @@ from vllm_tap.daemon.metrics import DaemonCollector, start_metrics_server
 from vllm_tap.daemon.sdnotify import Notifier
 from vllm_tap.daemon.service import MainLoopSnapshots, _OneLineFormatter
 from vllm_tap.records import TensorId
-from vllm_tap.ring import RingWriter, read_info, ring_path
+from vllm_tap.ring_files import ring_path
+from vllm_tap.ring_reader import read_info
+from vllm_tap.ring_writer import RingWriter
 
 REPO = Path(__file__).resolve().parent.parent
 SYSTEMD = REPO / "systemd"

@@ -25,7 +25,8 @@ import torch
 from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView, topk_rows
 from vllm_tap.hooks.publisher import HostBackend, Publisher, StagedPublisher, StagingRing
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
-from vllm_tap.ring import RingReader, RingWriter
+from vllm_tap.ring_reader import RingReader
+from vllm_tap.ring_writer import RingWriter
 from vllm_tap.ring_format import RecordKind
 from vllm_tap.spec import CaptureSpec, DTypeMode, LogitsMode, PositionsMode
 
@@ -331,7 +332,7 @@ def test_the_core_imports_no_vllm():
         "from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView, topk_rows\n"
         "from vllm_tap.hooks.publisher import Publisher\n"
         "from vllm_tap.hooks.settings import SPEC_EXTRA_ARG\n"
-        "from vllm_tap.ring import RingWriter, RingReader\n"
+        "from vllm_tap.ring_reader import RingReader\nfrom vllm_tap.ring_writer import RingWriter\n"
         "from vllm_tap.spec import CaptureSpec\n"
         "import tempfile, os\n"
         "d = tempfile.mkdtemp(dir='/dev/shm')\n"

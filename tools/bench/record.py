@@ -226,7 +226,8 @@ def _e2e_writer(shm: str, n_caps: int, rows: int, width: int, start: Any, done: 
     at `pace_mb_s` MB/s of rows."""
     from vllm_tap import ring_format as rf
     from vllm_tap.records import TensorId
-    from vllm_tap.ring import RingWriter, ring_path
+    from vllm_tap.ring_files import ring_path
+    from vllm_tap.ring_writer import RingWriter
     from vllm_tap.spec import CaptureSpec
 
     logits = TensorId(rf.TensorKind.LOGITS)
