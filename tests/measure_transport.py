@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from vllm_tap import ring_format as rf  # noqa: E402
 from vllm_tap.client import Chunk, Client, DaemonUnavailable  # noqa: E402
-from vllm_tap.records import TensorId  # noqa: E402
+from vllm_tap.ring_records import TensorId  # noqa: E402
 from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_writer import RingWriter  # noqa: E402

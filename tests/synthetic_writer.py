@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from vllm_tap import ring_format as rf
-from vllm_tap.records import RequestRef, RequestTable, TensorId
+from vllm_tap.ring_records import RequestRef, RequestTable, TensorId
 from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_writer import RingWriter
 from vllm_tap.spec import CaptureSpec, LogitsMode

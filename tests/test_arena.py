@@ -26,7 +26,7 @@ from vllm_tap.client import Chunk, Client
 from vllm_tap.client.arena import OVERWRITTEN, ArenaError, ArenaView, wanted
 from vllm_tap.daemon.arena import Arena
 from vllm_tap.daemon.reassembly import Reassembler, Tokens
-from vllm_tap.records import TensorId
+from vllm_tap.ring_records import TensorId
 from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_writer import RingWriter
 
@@ -649,7 +649,7 @@ def capture_arrays_from_expected(sc: Scenario) -> dict[str, bytes]:
 def test_rows_of_a_request_spread_over_a_record_go_through_the_sink(shm_dir):
     """A step's record whose rows of one request are not together (a prefill's extra rows before the
     batch's sampled rows): each request's rows land in its own arena array, in order."""
-    from vllm_tap.records import RequestRef, RequestTable
+    from vllm_tap.ring_records import RequestRef, RequestTable
     from vllm_tap.ring_schema import tensor_id
 
     a = Arena.create(shm_dir, 8 << 20)

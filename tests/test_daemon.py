@@ -367,7 +367,7 @@ def test_in_process_daemon_hooks_snapshot_and_stop_from_another_thread(shm_dir, 
         # An idle daemon raises each ring's waiting flag before it blocks; a commit then wakes it
         # through its doorbell rather than its timer.
         from vllm_tap import ring_format as rf
-        from vllm_tap.records import TensorId
+        from vllm_tap.ring_records import TensorId
         from vllm_tap.ring_files import ring_path
         from vllm_tap.ring_writer import RingWriter
 

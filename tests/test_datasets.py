@@ -16,8 +16,8 @@ import pytest
 from capture_factory import HIDDEN, VOCAB, make_capture
 from vllm_tap import dataset_format as df
 from vllm_tap.client.datasets import activation_batches, open_dataset
-from vllm_tap.client.record import Recorder, RecordOptions
-from vllm_tap.client.record_core import AppendRows, RecorderCore, SealShard, WriteManifest
+from vllm_tap.client.datasets.recorder import Recorder, RecordOptions
+from vllm_tap.client.datasets.recorder_core import AppendRows, RecorderCore, SealShard, WriteManifest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAE_PY = os.path.join(REPO, ".venv-sae", "bin", "python")
@@ -307,7 +307,7 @@ def test_distill_export_alignment_and_exact_logprobs(tmp_path) -> None:
     dest = str(tmp_path / "ds")
     _record(dest, range(8))
     out = str(tmp_path / "kd")
-    from vllm_tap.client.export import export_distill
+    from vllm_tap.client.datasets.export import export_distill
 
     res = export_distill(dest, out, top_k=5)
     assert res.rows == 8 and res.info["logprobs"].startswith("exact")
@@ -337,7 +337,7 @@ def test_distill_export_from_topk_without_logsumexp_renormalises(tmp_path) -> No
         b, c = make_capture(s, logits="topk", topk=4)
         rec.feed_capture(s, b, c)
     rec.close()
-    from vllm_tap.client.export import export_distill
+    from vllm_tap.client.datasets.export import export_distill
 
     res = export_distill(dest, str(tmp_path / "kd"))
     assert res.info["top_k"] == 4 and res.info["logprobs"].startswith("renormalised")
@@ -363,7 +363,7 @@ def test_topk_captures_with_logsumexp_record_it_and_export_exact_logprobs(tmp_pa
         part = part.take(pa.compute.sort_indices(part, [("position", "ascending")]))
         assert part.column("logsumexp").null_count == 0
         np.testing.assert_array_equal(part.column("logsumexp").to_numpy(), c.logsumexp)
-    from vllm_tap.client.export import export_distill
+    from vllm_tap.client.datasets.export import export_distill
 
     res = export_distill(dest, str(tmp_path / "kd"))
     assert res.info["logprobs"].startswith("exact")
@@ -427,7 +427,7 @@ def test_bench_record_runs_and_reports(tmp_path) -> None:
 
 
 def test_dataset_side_imports_neither_torch_nor_vllm() -> None:
-    code = ("import sys; import vllm_tap.client.record, vllm_tap.client.datasets, vllm_tap.client.export, "
+    code = ("import sys; import vllm_tap.client.datasets.recorder, vllm_tap.client.datasets, vllm_tap.client.datasets.export, "
             "vllm_tap.cli.datasets; print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

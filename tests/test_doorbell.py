@@ -9,7 +9,7 @@ import numpy as np
 
 from vllm_tap import ring_format as rf
 from vllm_tap.doorbell import Doorbell, DoorbellPush, doorbell_path
-from vllm_tap.records import TensorId
+from vllm_tap.ring_records import TensorId
 from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_writer import RingWriter

@@ -14,7 +14,7 @@ from vllm_tap.daemon.reassembly import (
     DROPPED, END_LOST, INCOMPLETE, MALFORMED, NOT_CAPTURED, NOT_CAPTURED_PREVIOUS, OVER_BUDGET, TIMEOUT, WRITER_GONE,
     Begin, End, Gap, Reassembler, Tokens,
 )
-from vllm_tap.records import RingRecord, TensorId
+from vllm_tap.ring_records import RingRecord, TensorId
 from vllm_tap.ring_schema import control_record
 from vllm_tap.spec import CaptureSpec
 

@@ -53,7 +53,7 @@ def start_recorder(dest: str, endpoint: str, *args: str, writer: str = "hostA", 
 
 
 def manifest(dest: str, writer: str = "hostA", storage_options=None) -> df.Manifest | None:
-    from vllm_tap.client.dataset_store import DatasetStore
+    from vllm_tap.client.datasets.store import DatasetStore
 
     raw = DatasetStore(dest, storage_options).read_bytes(df.manifest_path(writer))
     return df.decode_manifest(raw) if raw else None

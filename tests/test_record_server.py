@@ -152,7 +152,7 @@ def test_recorded_traffic_equals_fetch_logprobs_and_exports(stack, tmp_path) -> 
     assert hf.num_rows == t.num_rows
 
     # distillation export: its targets are vLLM's own top-5 logprobs at the output positions
-    from vllm_tap.client.export import export_distill, export_saelens
+    from vllm_tap.client.datasets.export import export_distill, export_saelens
 
     export_distill(ds, str(tmp_path / "kd"), top_k=5)
     kd = {row["request_id"]: row for row in pq.read_table(str(tmp_path / "kd" / "data-00000.parquet")).to_pylist()}

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from vllm_tap import ring_format as rf
-from vllm_tap.records import RequestRef, RequestTable, TensorId
+from vllm_tap.ring_records import RequestRef, RequestTable, TensorId
 from vllm_tap.ring_files import RingFormatError, ring_path
 from vllm_tap.ring_reader import RingReader, read_info
 from vllm_tap.ring_writer import RingWriter

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from ring_forge import RingForge, control, data, entry, pack
 from vllm_tap import ring_format as rf
-from vllm_tap.records import RingRecord
+from vllm_tap.ring_records import RingRecord
 from vllm_tap.ring_reader import RingBroken, RingReader
 from vllm_tap.ring_schema import (
     MAX_POSITION, BeginMeta, DropMeta, EndMeta, LiveMeta, Rejected, decode_record,
@@ -237,7 +237,7 @@ def test_the_table_of_a_step_is_decoded_once_for_all_its_records(shm_dir):
 
 def test_msgpack_of_the_writer_and_the_schema_agree():
     """RequestRef.packed() (the writer's) decodes to the reader's RequestEntry."""
-    from vllm_tap.records import RequestRef, RequestTable
+    from vllm_tap.ring_records import RequestRef, RequestTable
 
     ref = RequestRef("req", "key", 7, 2, 3, start=6, tail=0, source="policy")
     (r,) = decode_record(_good_data(table=RequestTable([ref]).blob, n_requests=1))

@@ -37,7 +37,7 @@ from vllm_tap.daemon.config_load import DOCS, ConfigError, load_config, markdown
 from vllm_tap.daemon.metrics import DaemonCollector, start_metrics_server
 from vllm_tap.daemon.sdnotify import Notifier
 from vllm_tap.daemon.service import MainLoopSnapshots, _OneLineFormatter
-from vllm_tap.records import TensorId
+from vllm_tap.ring_records import TensorId
 from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_reader import read_info
 from vllm_tap.ring_writer import RingWriter

@@ -23,7 +23,7 @@ import numpy as np
 
 from vllm_tap import ring_format as rf
 from vllm_tap import ring_schema
-from vllm_tap.records import RingRecord
+from vllm_tap.ring_records import RingRecord
 from vllm_tap.ring_files import RingFormatError
 
 log = logging.getLogger(__name__)

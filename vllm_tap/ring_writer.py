@@ -48,7 +48,7 @@ import numpy as np
 
 from vllm_tap import ring_format as rf
 from vllm_tap.doorbell import DoorbellPush, doorbell_path
-from vllm_tap.records import RequestRef, RequestTable, TensorId
+from vllm_tap.ring_records import RequestRef, RequestTable, TensorId
 from vllm_tap.ring_files import RingSpaceError, ensure_dir, free_bytes
 
 log = logging.getLogger(__name__)

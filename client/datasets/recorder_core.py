@@ -1,7 +1,7 @@
 """The recorder's protocol, without I/O: captures in, rows and shard/manifest actions out.
 
 `RecorderCore` is fed the watch stream (captures in sequence order, lost ranges, watermarks, clock
-ticks) and answers with actions that the I/O side (client/record.py) carries out in order:
+ticks) and answers with actions that the I/O side (client/datasets/recorder.py) carries out in order:
 
     AppendRows(table)          add these rows to the open shard (staged on local disk)
     SealShard(...)             the open shard is complete: close it, make its two files visible

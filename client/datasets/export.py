@@ -32,8 +32,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from vllm_tap import dataset_format as df
-from vllm_tap.client.dataset_store import DatasetStore
-from vllm_tap.client.datasets import DatasetError, TapDataset, open_dataset
+from vllm_tap.client.datasets.store import DatasetStore
+from vllm_tap.client.datasets.reader import DatasetError, TapDataset, open_dataset
 
 log = logging.getLogger(__name__)
 

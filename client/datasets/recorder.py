@@ -1,12 +1,12 @@
 """`vllm-tap record DEST`: the watch stream to rolling Parquet / Arrow IPC shards, exactly once.
 
-The protocol lives in record_core (no I/O); the destination in dataset_store; this module drives
+The protocol lives in recorder_core (no I/O); the destination in store; this module drives
 them: it feeds the stream to the core, encodes rows into the staged shards, each on a writer thread
 of its own (so encoding and compression overlap receiving and converting, and the shards of a group
 are encoded on as many cores: pyarrow encodes one file on one core), publishes sealed shards,
 replaces the manifest, and reports progress.
 
-Crash safety follows from the order of effects, for every group of shards (record_core):
+Crash safety follows from the order of effects, for every group of shards (recorder_core):
     rows staged (invisible) -> for each shard: rows file published, captures file published
     -> manifest replaced (listing the whole group)
 A crash before the manifest replacement leaves at most files no manifest lists; the next start
@@ -32,8 +32,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vllm_tap import dataset_format as df
-from vllm_tap.client.dataset_store import DatasetStore, StoreError, describe_error, failpoint
-from vllm_tap.client.record_core import MAX_LANES, AppendRows, RecorderCore, SealShard, WriteManifest
+from vllm_tap.client.datasets.store import DatasetStore, StoreError, describe_error, failpoint
+from vllm_tap.client.datasets.recorder_core import MAX_LANES, AppendRows, RecorderCore, SealShard, WriteManifest
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 
 from vllm_tap import dataset_format as df
-from vllm_tap.client.dataset_store import DatasetStore, StoreError
+from vllm_tap.client.datasets.store import DatasetStore, StoreError
 
 log = logging.getLogger(__name__)
 
