@@ -56,7 +56,7 @@ _FAILPOINT_HITS: dict[str, int] = {}
 
 def failpoint(name: str) -> None:
     """Crash testing: SIGKILL this process the k-th time `name` is reached when
-    VLLM_TAP_RECORD_FAILPOINT=name[:k] (see tests/test_record.py). A no-op otherwise."""
+    VLLM_TAP_RECORD_FAILPOINT=name[:k] (see tests/datasets/test_record.py). A no-op otherwise."""
     if _FAILPOINT is None or _FAILPOINT[0] != name:
         return
     _FAILPOINT_HITS[name] = _FAILPOINT_HITS.get(name, 0) + 1

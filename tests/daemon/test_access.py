@@ -3,7 +3,7 @@
 Two tenants, A and B, each set up as the shipped template unit sets one up: a daemon account in the
 tenant's ring group and reader group, a vLLM (writer) account in the ring group only, a reader
 account in the reader group only; plus an outsider in no group. Every process runs as its account
-(tests/as_user.py): the kernel, not the test, decides what each may open.
+(tests/support/as_user.py): the kernel, not the test, decides what each may open.
 
 Needs root (to add and remove the accounts); skipped otherwise.
 """

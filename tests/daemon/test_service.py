@@ -42,7 +42,7 @@ from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_reader import read_info
 from vllm_tap.ring_writer import RingWriter
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent
 SYSTEMD = REPO / "systemd"
 HAVE_DAEMON = importlib.util.find_spec("vllm_tap.daemon.server") is not None
 needs_daemon = pytest.mark.skipif(not HAVE_DAEMON, reason="vllm_tap.daemon.server (the daemon core) is not there yet")

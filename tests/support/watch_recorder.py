@@ -1,6 +1,6 @@
 """Test helper: a watcher process that records what it gets, the way a dataset recorder would.
 
-    python tests/watch_recorder.py ENDPOINT OUT.jsonl [--since N] [--stream] [--until SEQ] [--item-sleep S]
+    python tests/support/watch_recorder.py ENDPOINT OUT.jsonl [--since N] [--stream] [--until SEQ] [--item-sleep S]
         [--filter key=value ...]
 
 Every item becomes one JSON line, written with a single write and fsync'd before the next item is

@@ -1,6 +1,6 @@
 """The pure capture-option parser, position windows, the capture policy and the internal spec's
 strict decoding: property-based (hypothesis) over the whole option space, plus the exact tables the
-docs promise. No vLLM here; tests/test_server_policy.py sends a sample of the same through HTTP."""
+docs promise. No vLLM here; tests/e2e/test_server_policy.py sends a sample of the same through HTTP."""
 
 from __future__ import annotations
 

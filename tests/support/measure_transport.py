@@ -1,6 +1,6 @@
 """Measure the transport (not a test): writer cost per record, daemon -> subscriber throughput.
 
-    python tests/measure_transport.py [--records 1000] [--json]
+    python tests/support/measure_transport.py [--records 1000] [--json]
 
 1. Writer: median wall time of one RingWriter.write() call (reserve, copy in, commit) for 128 KiB
    and for small (256 B) records, into an empty ring and into a full one (the record is dropped).

@@ -59,7 +59,7 @@ def test_subscribers_in_other_processes_get_exactly_the_written_bytes(daemon_pro
     for p in subs:
         p.start()
     _wait(lambda: daemon_proc.status()["subscribers_waiting"] == 2, 20, "both subscribers")
-    writer = subprocess.run([sys.executable, "tests/synthetic_writer.py", shm_dir, sc.to_json(), "--step-sleep", "0.01"],
+    writer = subprocess.run([sys.executable, "tests/support/synthetic_writer.py", shm_dir, sc.to_json(), "--step-sleep", "0.01"],
                             capture_output=True, text=True, timeout=60)
     assert writer.returncode == 0, writer.stderr
     assert json.loads(writer.stdout)["dropped"] == 0

@@ -7,7 +7,9 @@ from __future__ import annotations
 import ast
 import os
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUPPORT = os.path.dirname(os.path.abspath(__file__))  # tests/support: the helpers
+TESTS = os.path.dirname(SUPPORT)
+REPO = os.path.dirname(TESTS)
 
 
 def pyproject() -> dict:

@@ -30,9 +30,8 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass
 
-from project_layout import REPO, package_dirs, pyproject
+from project_layout import SUPPORT, package_dirs, pyproject
 
-TESTS = os.path.join(REPO, "tests")
 # Parts of the standard library no code run as another account needs (the test suite alone is 120 MB).
 STDLIB_SKIP = {"site-packages", "dist-packages", "test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3"}
 
@@ -48,7 +47,7 @@ class OtherUsersPython:
 
     @property
     def tests(self) -> str:
-        """The copy of tests/*.py helpers (as_user.py, synthetic_writer.py, ...)."""
+        """The copy of the tests/support helpers (as_user.py, synthetic_writer.py, ...)."""
         return os.path.join(self.root, "tests")
 
     def as_user(self, user: str, *args: str) -> list[str]:
@@ -157,9 +156,9 @@ def _fill(root: str) -> None:
     for dist in _requirements_closure(pyproject()["project"]["dependencies"]):
         _place_distribution(dist, site)
     _place_project(site)
-    for name in os.listdir(TESTS):
-        if name.endswith(".py") and not name.startswith(("test_", "conftest")):
-            _place(os.path.join(TESTS, name), os.path.join(root, "tests", name))
+    for name in os.listdir(SUPPORT):
+        if name.endswith(".py"):
+            _place(os.path.join(SUPPORT, name), os.path.join(root, "tests", name))
     for d, _, _ in os.walk(root):  # files were opened up as placed (_place)
         os.chmod(d, 0o755)
 

@@ -1,6 +1,6 @@
 """Tensor- and pipeline-parallel capture through real engines, rings, daemon and client.
 
-Each layout runs as its own offline vLLM process (tests/parallel_engine.py) feeding one daemon;
+Each layout runs as its own offline vLLM process (tests/support/parallel_engine.py) feeding one daemon;
 instances are kept apart by name. TP=2 and PP=2 captures must equal the TP=1 capture and a
 transformers fp32 forward; each TP rank's ring must carry only its share of the bytes.
 """
@@ -24,11 +24,11 @@ from vllm_tap.client import CaptureNotFound, Client
 from vllm_tap.policy import selects
 from vllm_tap.tools.launch import DaemonHandle
 from vllm_tap.ring_reader import read_info
+from project_layout import SUPPORT
 
 pytestmark = pytest.mark.vllm
 
 TOL = 1e-5
-HERE = os.path.dirname(os.path.abspath(__file__))
 # name -> (tp, pp, eager). vLLM 0.32's CPU runner allocates the pipeline's receive buffers only in
 # the compile warm-up, so eager PP fails inside vLLM itself: PP runs compiled.
 LAYOUTS = {"tp1": (1, 1, True), "tp2": (2, 1, True), "pp2": (1, 2, False)}
@@ -43,7 +43,7 @@ def runs():
     results = {}
     try:
         for name, (tp, pp, eager) in LAYOUTS.items():
-            argv = [sys.executable, os.path.join(HERE, "parallel_engine.py"), model, shm, name, "--tp", str(tp), "--pp", str(pp)]
+            argv = [sys.executable, os.path.join(SUPPORT, "parallel_engine.py"), model, shm, name, "--tp", str(tp), "--pp", str(pp)]
             proc = subprocess.run(argv + (["--eager"] if eager else []), capture_output=True, text=True, timeout=420,
                                   stdin=subprocess.DEVNULL)
             assert proc.returncode == 0, f"{name} failed:\n{proc.stderr[-4000:]}"

@@ -24,8 +24,8 @@ from vllm_tap import wire_format as wf
 from vllm_tap.client import (
     AsyncClient, Client, Chunk, LostCaptures, WatchData, WatchedCapture, WatchEnd, WatchRejected, WatchStart,
 )
+from project_layout import SUPPORT
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _wait(cond, timeout: float = 20.0, what: str = "condition", every: float = 0.02) -> None:
@@ -63,7 +63,7 @@ class Collector:
 
 
 def _run_writer(shm_dir: str, sc: Scenario, step_sleep: float = 0.0) -> None:
-    r = subprocess.run([sys.executable, os.path.join(HERE, "synthetic_writer.py"), shm_dir, sc.to_json(),
+    r = subprocess.run([sys.executable, os.path.join(SUPPORT, "synthetic_writer.py"), shm_dir, sc.to_json(),
                         "--step-sleep", str(step_sleep)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["dropped"] == 0
@@ -175,7 +175,7 @@ def test_watcher_sigkilled_mid_stream_and_restarted_from_its_stored_seq_gets_eve
     _run_writer(shm_dir, sc)  # everything is retained (1 GiB default): the recorder starts late on purpose
 
     def recorder(since):
-        argv = [sys.executable, os.path.join(HERE, "watch_recorder.py"), d.endpoint, out, "--item-sleep", "0.05",
+        argv = [sys.executable, os.path.join(SUPPORT, "watch_recorder.py"), d.endpoint, out, "--item-sleep", "0.05",
                 "--until", "40"]
         return subprocess.Popen(argv + (["--since", str(since)] if since is not None else []))
 
@@ -297,7 +297,7 @@ def test_a_watcher_that_stops_reading_learns_what_it_missed_and_others_are_unaff
     one = sc.end_position * (sc.vocab + sc.hidden) * 4
     d = daemon_factory(end_grace_s=1.0, retain_bytes=12 * one)
     out = os.path.join(sock_dir, "slow.jsonl")
-    slow = subprocess.Popen([sys.executable, os.path.join(HERE, "watch_recorder.py"), d.endpoint, out,
+    slow = subprocess.Popen([sys.executable, os.path.join(SUPPORT, "watch_recorder.py"), d.endpoint, out,
                              "--since", "0", "--until", str(sc.n_requests)])
     _wait(lambda: any(w["id"] for w in d.status()["watchers"]), 20, "the slow watcher to attach")
     c = d.client()

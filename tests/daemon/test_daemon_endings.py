@@ -152,7 +152,7 @@ def test_a_subscriber_whose_capture_a_restarted_daemon_never_sees_again_is_told_
 def test_a_dead_writer_ends_its_captures_through_its_pidfd(daemon_factory, shm_dir):
     sc = Scenario(tp=1, n_requests=1, prompt_len=4, gen_len=50, chunk=4)
     d = daemon_factory(end_grace_s=5.0)
-    writer = subprocess.Popen([sys.executable, "tests/synthetic_writer.py", shm_dir, sc.to_json(), "--stop-after", "3"],
+    writer = subprocess.Popen([sys.executable, "tests/support/synthetic_writer.py", shm_dir, sc.to_json(), "--stop-after", "3"],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert json.loads(writer.stdout.readline())["steps"] == 3

@@ -1,6 +1,6 @@
 """Layers point one way (docs/development.md, "Layers"): the formats and the core at the bottom; the
 hooks, the daemon and the client each on the core alone; tools on those; the command line on top.
-Checked on the import graph built from the sources (tests/project_layout.py), every import counted,
+Checked on the import graph built from the sources (tests/support/project_layout.py), every import counted,
 also those inside functions; and the graph has no cycle. The suite's own split too: every test
 module that can start vLLM is marked `vllm`, so `./run test-fast` (-m "not vllm") starts none."""
 
@@ -130,12 +130,14 @@ def _marked_vllm(tree: ast.Module) -> bool:
 def test_every_test_module_that_starts_vllm_is_marked():
     tests = os.path.join(REPO, "tests")
     unmarked, marked = [], []
-    for name in sorted(os.listdir(tests)):
-        if not (name.startswith("test_") and name.endswith(".py")):
-            continue
-        with open(os.path.join(tests, name)) as f:
-            tree = ast.parse(f.read(), name)
-        starts = any(m == s or m.startswith(s + ".") for m in _imports(tree) for s in STARTS_VLLM)
-        (marked if _marked_vllm(tree) else unmarked if starts else []).append(name)
+    for d, _, files in sorted(os.walk(tests)):  # tests/<part>/test_*.py
+        for name in sorted(files):
+            if not (name.startswith("test_") and name.endswith(".py")):
+                continue
+            path = os.path.join(d, name)
+            with open(path) as f:
+                tree = ast.parse(f.read(), path)
+            starts = any(m == s or m.startswith(s + ".") for m in _imports(tree) for s in STARTS_VLLM)
+            (marked if _marked_vllm(tree) else unmarked if starts else []).append(os.path.relpath(path, tests))
     assert unmarked == []
-    assert "test_server_e2e.py" in marked and "test_hook_offline.py" in marked
+    assert "e2e/test_server_e2e.py" in marked and "hooks/test_hook_offline.py" in marked

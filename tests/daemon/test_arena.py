@@ -29,8 +29,8 @@ from vllm_tap.daemon.reassembly import Reassembler, Tokens
 from vllm_tap.ring_records import TensorId
 from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_writer import RingWriter
+from project_layout import SUPPORT
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _wait(cond, timeout: float = 20.0, what: str = "condition") -> None:
@@ -63,7 +63,7 @@ def _fetch_all(endpoint: str, sc: Scenario, shm_dir: str, env: dict | None = Non
     p.start()
     if status is not None:
         _wait(lambda: status()["subscribers_waiting"] == 1, 20, "the subscriber")
-    writer = subprocess.run([sys.executable, os.path.join(HERE, "synthetic_writer.py"), shm_dir, sc.to_json()],
+    writer = subprocess.run([sys.executable, os.path.join(SUPPORT, "synthetic_writer.py"), shm_dir, sc.to_json()],
                             capture_output=True, text=True, timeout=60)
     assert writer.returncode == 0, writer.stderr
     got = q.get(timeout=60)
@@ -123,7 +123,7 @@ def test_a_run_of_records_goes_as_one_message_and_stacks_exactly(daemon_factory,
     client stacks each tensor's parts. A late subscriber's replay is the longest run there is."""
     sc = Scenario(tp=2, n_requests=1, dtype=dtype, gen_len=40, topk=3, vocab=96, hidden=24, layers=(0, 3))
     d = daemon_factory(end_grace_s=0.5)
-    writer = subprocess.run([sys.executable, os.path.join(HERE, "synthetic_writer.py"), shm_dir, sc.to_json()],
+    writer = subprocess.run([sys.executable, os.path.join(SUPPORT, "synthetic_writer.py"), shm_dir, sc.to_json()],
                             capture_output=True, text=True, timeout=60)
     assert writer.returncode == 0, writer.stderr
     _wait(lambda: d.status()["retained_requests"] == 1, 20, "the capture to end")
@@ -148,7 +148,7 @@ def test_a_subscriber_that_read_to_the_end_lets_its_pins_go_at_once(daemon_facto
 
     sc = Scenario(tp=1, n_requests=1, gen_len=6)
     d = daemon_factory(end_grace_s=0.5, arena_linger_s=600)
-    writer = subprocess.run([sys.executable, os.path.join(HERE, "synthetic_writer.py"), shm_dir, sc.to_json()],
+    writer = subprocess.run([sys.executable, os.path.join(SUPPORT, "synthetic_writer.py"), shm_dir, sc.to_json()],
                             capture_output=True, text=True, timeout=60)
     assert writer.returncode == 0, writer.stderr
     _wait(lambda: d.status()["retained_requests"] == 1, 20, "the capture to end")
@@ -590,7 +590,7 @@ def test_the_arena_file_is_private_to_the_daemon_and_its_group(daemon_factory, s
     os.close(wfd)
     try:
         _wait(lambda: d.status()["subscribers_waiting"] == 1, 30, "the other user's subscriber")
-        writer = subprocess.run([sys.executable, os.path.join(HERE, "synthetic_writer.py"), shm_dir, sc.to_json()],
+        writer = subprocess.run([sys.executable, os.path.join(SUPPORT, "synthetic_writer.py"), shm_dir, sc.to_json()],
                                 capture_output=True, text=True, timeout=60)
         assert writer.returncode == 0, writer.stderr
         raw = b""

@@ -9,7 +9,7 @@ owning different layers, the last stage owning the logits). Every value is a fun
 must get back.
 
 Run as a script to write a scenario from a separate process:
-    python tests/synthetic_writer.py SHM_DIR '{"tp": 2, "n_requests": 4}' [--step-sleep S]
+    python tests/support/synthetic_writer.py SHM_DIR '{"tp": 2, "n_requests": 4}' [--step-sleep S]
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Test helper: run a Python module or script as another local user (the caller must be root).
 
-    OTHER_PY tests/as_user.py USER -- -m vllm_tap.cli status ...
-    OTHER_PY tests/as_user.py USER -- tests/synthetic_writer.py SHM '{...}'
-    OTHER_PY tests/as_user.py USER -- -c 'CODE' ARGS...
+    OTHER_PY tests/support/as_user.py USER -- -m vllm_tap.cli status ...
+    OTHER_PY tests/support/as_user.py USER -- tests/support/synthetic_writer.py SHM '{...}'
+    OTHER_PY tests/support/as_user.py USER -- -c 'CODE' ARGS...
 
 OTHER_PY is an interpreter that USER can execute, with everything the run imports (the session's
-copy from tests/other_users_python.py: the suite's own interpreter may live under /root, where other
+copy from tests/support/other_users_python.py: the suite's own interpreter may live under /root, where other
 accounts cannot enter, and code imports lazily). The process takes on USER's uid, gid and
 supplementary groups (as `runuser` would) before it imports anything of the project, so every module,
 file, socket and ring it touches is judged by the kernel as USER's.

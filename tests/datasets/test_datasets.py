@@ -1,5 +1,5 @@
 """The dataset format, the recorder's protocol and the readers/exports, without a daemon: captures
-come from tests/capture_factory.py (deterministic per seq), so every value read back is checked."""
+come from tests/support/capture_factory.py (deterministic per seq), so every value read back is checked."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from vllm_tap import dataset_format as df
 from vllm_tap.client.datasets import activation_batches, open_dataset
 from vllm_tap.client.datasets.recorder import Recorder, RecordOptions
 from vllm_tap.client.datasets.recorder_core import AppendRows, RecorderCore, SealShard, WriteManifest
+from project_layout import REPO, SUPPORT
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAE_PY = os.path.join(REPO, ".venv-sae", "bin", "python")
 
 
@@ -398,7 +398,7 @@ def test_saelens_export_loads_in_saelens_and_trains(tmp_path) -> None:
     expected = str(tmp_path / "expected.npz")
     np.savez(expected, acts=acts[:n].reshape(-1, 8, HIDDEN),
              tokens=t.column(1).to_numpy()[:n].reshape(-1, 8).astype(np.int32))
-    r = subprocess.run([SAE_PY, os.path.join(REPO, "tests", "saelens_check.py"), out, df.hook_name(2), str(HIDDEN), "8",
+    r = subprocess.run([SAE_PY, os.path.join(SUPPORT, "saelens_check.py"), out, df.hook_name(2), str(HIDDEN), "8",
                         expected, dest], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])

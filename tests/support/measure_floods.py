@@ -1,6 +1,6 @@
 """Timings of the daemon under socket floods (a measurement, not a test).
 
-    python tests/measure_floods.py pending|junk|death [--json]
+    python tests/support/measure_floods.py pending|junk|death [--json]
 
 pending: captured requests/s (BEGIN to End in the daemon, no subscriber) with no waiting
          subscriptions, with 100,000 waiting from one socket, and after that socket left;

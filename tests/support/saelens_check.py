@@ -1,8 +1,8 @@
-"""Run by tests/test_datasets.py inside the sae-lens virtualenv (.venv-sae): SAELens's own loader
+"""Run by tests/datasets/test_datasets.py inside the sae-lens virtualenv (.venv-sae): SAELens's own loader
 reads a `vllm-tap export saelens` directory, and a small SAE trains a few steps on it, then a few
 more with vllm-tap's shuffled iterator as the data provider. Prints one JSON line of results.
 
-    .venv-sae/bin/python tests/saelens_check.py EXPORT_DIR HOOK D_IN CONTEXT EXPECTED.npy DATASET_DIR
+    .venv-sae/bin/python tests/support/saelens_check.py EXPORT_DIR HOOK D_IN CONTEXT EXPECTED.npy DATASET_DIR
 """
 
 from __future__ import annotations

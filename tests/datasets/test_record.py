@@ -1,5 +1,5 @@
 """`vllm-tap record` end to end with real processes: a real daemon fed by the synthetic engine
-(tests/synthetic_writer.py), the recorder as a subprocess, SIGKILL at chosen points of the commit
+(tests/support/synthetic_writer.py), the recorder as a subprocess, SIGKILL at chosen points of the commit
 protocol (VLLM_TAP_RECORD_FAILPOINT) and at random times, a full disk (a small tmpfs), and an
 S3-protocol server (moto's standalone server) reached through s3fs. Every check reads the dataset
 back and compares it with what the synthetic engine wrote and with the daemon's own fetch."""
@@ -23,8 +23,8 @@ import pytest
 from synthetic_writer import Scenario, SyntheticEngine, expected, output_token_ids
 from vllm_tap import dataset_format as df
 from vllm_tap.client.datasets import open_dataset
+from project_layout import SUPPORT
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def scenario(prefix: str, n: int = 10, **kw) -> Scenario:
@@ -272,7 +272,7 @@ def test_sigkill_at_random_times(daemon_factory, shm_dir, tmp_path) -> None:
     rec = start_recorder(dest, d.endpoint, "--shard-size", "15KB", log_path=log)
     wait_for(lambda: manifest(dest) is not None, what="the first manifest")
     for sc in scs:
-        writer = subprocess.Popen([sys.executable, os.path.join(TESTS_DIR, "synthetic_writer.py"), shm_dir,
+        writer = subprocess.Popen([sys.executable, os.path.join(SUPPORT, "synthetic_writer.py"), shm_dir,
                                    json.dumps({**json.loads(sc.to_json())}), "--step-sleep", "0.02"],
                                   stdout=subprocess.DEVNULL)
         time.sleep(rng.uniform(0.1, 0.6))
