@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_tap import ring_format as rf
+from vllm_tap.doorbell import Doorbell
 from vllm_tap.ring_files import RingFormatError
 from vllm_tap.ring_reader import RingBroken, RingReader
 from vllm_tap.ring_schema import tensor_id
@@ -26,7 +27,6 @@ from vllm_tap.safe_paths import UnsafePath
 
 from vllm_tap.daemon.discovery import Candidate
 from vllm_tap.daemon.reassembly import RING_BROKEN, Reassembler
-from vllm_tap.doorbell import Doorbell
 
 log = logging.getLogger("vllm_tap.daemon.server")  # the daemon logs under one name, whichever side speaks
 
@@ -40,6 +40,8 @@ LOG_FIRST = 20  # refused ring files logged one by one; then a count per minute
 
 @dataclass(eq=False)
 class OpenRing:
+    """A ring the daemon reads, and what it knows of its writer."""
+
     reader: RingReader
     instance: str
     dir_fd: int

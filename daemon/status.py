@@ -22,6 +22,8 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 
 
 class Histogram:
+    """Delivery latency in fixed buckets (LATENCY_BUCKETS)."""
+
     def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS):
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)
@@ -46,6 +48,8 @@ class Histogram:
 
 @dataclass
 class Counters:
+    """The daemon's running totals, reported by `snapshot()`."""
+
     records_in: int = 0
     payload_bytes_in: int = 0
     delivered_messages: int = 0

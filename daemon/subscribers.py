@@ -34,6 +34,8 @@ TOO_SLOW_FLUSH_S = 5.0  # how long a cut-off subscriber's error is retried
 
 @dataclass(eq=False)
 class Subscription:
+    """One subscriber's request for one capture, and how far its delivery got."""
+
     envelope: list[bytes]  # routing id, plus the empty delimiter when the peer is a REQ socket
     req: wf.Subscribe
     deadline: float  # when an unresolved name gives up
