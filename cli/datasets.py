@@ -1,4 +1,4 @@
-"""`vllm-tap record` and `vllm-tap export`: thin commands over vllm_tap.client.record / export.
+"""`vllm-tap record` and `vllm-tap export`: thin commands over vllm_tap.client.datasets (recorder, export).
 (Registered by vllm_tap.cli.commands; kept here so the datasets commands have one home.)"""
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def record(dest: str, writer: str | None, file_format: str, compression: str, te
     fsspec URL such as s3://bucket/prefix). Stop with Ctrl-C or SIGTERM: the open shard is committed.
     A restart with the same DEST and writer resumes after the last committed capture."""
     from vllm_tap.client import Client, TapError
-    from vllm_tap.client.record import (
+    from vllm_tap.client.datasets.recorder import (
         Limits, Progress, RecordOptions, Recorder, RecorderError, install_stop_signals, run_recorder,
     )
 
@@ -258,8 +258,8 @@ def export() -> None:
 def export_saelens_cmd(src: str, dest: str, layer: str, context_size: int, dtype: str, max_shard_size: str,
                        storage_option: tuple[str, ...]) -> None:
     """SAELens's cached-activation dataset (load it with cached_activations_path=DEST)."""
-    from vllm_tap.client.datasets import DatasetError
-    from vllm_tap.client.export import export_saelens
+    from vllm_tap.client.datasets.reader import DatasetError
+    from vllm_tap.client.datasets.export import export_saelens
 
     if parse_size(max_shard_size) > df.MAX_SHARD_BYTES:
         raise click.ClickException("--max-shard-size: at most 2GB")
@@ -281,8 +281,8 @@ def export_saelens_cmd(src: str, dest: str, layer: str, context_size: int, dtype
 @click.option("--storage-option", "storage_option", multiple=True, metavar="KEY=VALUE")
 def export_distill_cmd(src: str, dest: str, top_k: int | None, train_on_prompt: bool, storage_option: tuple[str, ...]) -> None:
     """Per-sequence input ids and top-k targets in axolotl's knowledge-distillation layout."""
-    from vllm_tap.client.datasets import DatasetError
-    from vllm_tap.client.export import export_distill
+    from vllm_tap.client.datasets.reader import DatasetError
+    from vllm_tap.client.datasets.export import export_distill
 
     so = _storage_options(storage_option)
     try:

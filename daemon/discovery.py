@@ -36,7 +36,7 @@ SCAN_INTERVAL_S = 0.25  # full rescans without inotify
 SAFETY_RESCAN_S = 30.0  # full rescans with inotify (a watch that could not be added, say)
 MAX_REMEMBERED = 1 << 20  # rejected files remembered; beyond, the memory is cleared and they are retried
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_RING_NAME = re.compile(r"^(engine|rank-\d{5})" + re.escape(rf.RING_SUFFIX) + "$")  # vllm_tap.ring.ring_path
+_RING_NAME = re.compile(r"^(engine|rank-\d{5})" + re.escape(rf.RING_SUFFIX) + "$")  # vllm_tap.ring_files.ring_path
 
 
 @dataclass(frozen=True)

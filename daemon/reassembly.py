@@ -62,7 +62,7 @@ from vllm_tap import ring_format as rf
 from vllm_tap import ring_schema
 from vllm_tap.daemon import handover as ho
 from vllm_tap.positions import PositionRanges
-from vllm_tap.records import RingRecord, TensorId
+from vllm_tap.ring_records import RingRecord, TensorId
 from vllm_tap.spec import CaptureSpec
 
 log = logging.getLogger(__name__)

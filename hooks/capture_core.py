@@ -65,8 +65,8 @@ from vllm_tap.hooks import guard
 from vllm_tap.hooks.cost import StepCost
 from vllm_tap.hooks.publisher import STORAGE, DeviceIndices, Publisher, gather_rows, report_drop
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
-from vllm_tap.records import RequestRef, RequestTable, TensorId
-from vllm_tap.ring import RingWriter
+from vllm_tap.ring_records import RequestRef, RequestTable, TensorId
+from vllm_tap.ring_writer import RingWriter
 from vllm_tap.spec import CaptureSpec, DTypeMode, LogitsMode
 
 log = logging.getLogger("vllm_tap.hooks")

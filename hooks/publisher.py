@@ -46,8 +46,8 @@ import numpy as np
 import torch
 
 from vllm_tap import ring_format as rf
-from vllm_tap.records import RequestTable, TensorId
-from vllm_tap.ring import Reservation, RingWriter
+from vllm_tap.ring_records import RequestTable, TensorId
+from vllm_tap.ring_writer import Reservation, RingWriter
 
 log = logging.getLogger("vllm_tap.hooks")
 

@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 import pytest
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-if TESTS_DIR not in sys.path:
-    sys.path.insert(0, TESTS_DIR)  # tests import synthetic_writer
+# The helpers every test directory imports (synthetic_writer, server_stack, ...) live in tests/support.
+SUPPORT_DIR = os.path.join(TESTS_DIR, "support")
+if SUPPORT_DIR not in sys.path:
+    sys.path.insert(0, SUPPORT_DIR)
 
 
 
@@ -161,7 +163,7 @@ def daemon_proc(daemon_factory) -> DaemonProcess:
 @pytest.fixture(scope="session")
 def other_users_python():
     """An interpreter other local accounts can execute, with the project and its run-time
-    dependencies (tests/other_users_python.py); made once per session, removed after."""
+    dependencies (tests/support/other_users_python.py); made once per session, removed after."""
     from other_users_python import CannotRun, build
 
     try:

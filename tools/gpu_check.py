@@ -42,7 +42,9 @@ import torch
 from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView
 from vllm_tap.hooks.publisher import CudaBackend, HostBackend, StagedPublisher, staging_bytes
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
-from vllm_tap.ring import RingReader, RingWriter, ring_path
+from vllm_tap.ring_files import ring_path
+from vllm_tap.ring_reader import RingReader
+from vllm_tap.ring_writer import RingWriter
 from vllm_tap.spec import CaptureSpec
 
 LAYERS = (2, 5)

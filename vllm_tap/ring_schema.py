@@ -34,7 +34,7 @@ import msgspec
 import numpy as np
 
 from vllm_tap import ring_format as rf
-from vllm_tap.records import RingRecord, TensorId
+from vllm_tap.ring_records import RingRecord, TensorId
 from vllm_tap.spec import CaptureSpec
 
 # -- bounds (a legitimate writer stays far inside every one of them) --

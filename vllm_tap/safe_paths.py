@@ -13,7 +13,7 @@ forge captures, answer clients, or stop a service from starting. Rules this modu
 - A refusal is an UnsafePath whose message is one line naming the path, what is wrong, and what to do.
 
 `Expect` holds one such rule; daemon/access.py builds the daemon's rules from its settings and
-ring.ensure_dir the hook's. Anything else that puts files where others may look (an arena of
+ring_files.ensure_dir the hook's. Anything else that puts files where others may look (an arena of
 shared memory, say) can check them with `Expect.check_fd` / `ensure_dir` too.
 """
 

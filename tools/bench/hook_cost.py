@@ -264,7 +264,8 @@ def run(params: HookParams, echo=print) -> dict[str, Any]:
 
     from vllm_tap.hooks.capture_core import CaptureCore, RankPlace
     from vllm_tap.hooks.publisher import Publisher
-    from vllm_tap.ring import RingWriter, ring_path
+    from vllm_tap.ring_files import ring_path
+    from vllm_tap.ring_writer import RingWriter
 
     torch.set_num_threads(params.threads)
     by_name = {s.name: s for s in DEFAULT_SCENARIOS + EXTRA_SCENARIOS + SMALL_SCENARIOS}

@@ -90,7 +90,7 @@ def tmpfs_copy_rate(nbytes: int, reps: int = 5) -> float:
 
 def _sections(shape: str, p: IngestParams) -> list[tuple]:
     from vllm_tap import ring_format as rf
-    from vllm_tap.records import TensorId
+    from vllm_tap.ring_records import TensorId
 
     if shape == "logits":
         return [(TensorId(rf.TensorKind.LOGITS), rf.DType.BFLOAT16, p.vocab, (0, p.vocab), p.vocab)]
@@ -104,8 +104,9 @@ def _writer_main(shm: str, shape: str, p_dict: dict, prefix: str, results: Any, 
     """Waves of 64 captures (BEGIN, `wave` decode steps, END) for `warm + steps` steps, as fast as
     the ring allows."""
     from vllm_tap import ring_format as rf
-    from vllm_tap.records import RequestRef, RequestTable
-    from vllm_tap.ring import RingWriter, ring_path
+    from vllm_tap.ring_records import RequestRef, RequestTable
+    from vllm_tap.ring_files import ring_path
+    from vllm_tap.ring_writer import RingWriter
     from vllm_tap.spec import CaptureSpec, LogitsMode, PositionsMode
 
     p = IngestParams(**p_dict)
@@ -176,7 +177,7 @@ def _trial(shape: str, p: IngestParams, daemon_pid: int, shm: str, tag: str) -> 
     """One writer run; the daemon's pace is the measured steps over the time from the first of them
     committed to the daemon having read the last (the ring drained: it bounds the writer's pace
     too, since the writer waits for room)."""
-    from vllm_tap.ring import read_info
+    from vllm_tap.ring_reader import read_info
 
     ctx = mp.get_context("spawn")
     results, close = ctx.Queue(), ctx.Queue()

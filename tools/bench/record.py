@@ -100,7 +100,7 @@ def parse_config(config: str) -> tuple[str, str, int]:
 
 
 def run_case(p: RecordParams, case: str, root: str, config: str | None = None) -> dict[str, Any]:
-    from vllm_tap.client.record import Recorder, RecordOptions
+    from vllm_tap.client.datasets.recorder import Recorder, RecordOptions
 
     caps = _captures(p, case, 8)
     per_cap = caps[0][1].positions.size * (sum(a.shape[1] for a in caps[0][1].hidden.values())
@@ -225,8 +225,9 @@ def _e2e_writer(shm: str, n_caps: int, rows: int, width: int, start: Any, done: 
     """Full-logit captures of `rows` positions, written as fast as the ring takes them (it waits), or
     at `pace_mb_s` MB/s of rows."""
     from vllm_tap import ring_format as rf
-    from vllm_tap.records import TensorId
-    from vllm_tap.ring import RingWriter, ring_path
+    from vllm_tap.ring_records import TensorId
+    from vllm_tap.ring_files import ring_path
+    from vllm_tap.ring_writer import RingWriter
     from vllm_tap.spec import CaptureSpec
 
     logits = TensorId(rf.TensorKind.LOGITS)
@@ -266,7 +267,7 @@ def run_e2e(p: RecordParams, root: str, echo: Callable[[str], None], raw_mb_s: f
     import multiprocessing as mp
 
     from vllm_tap.client import Client, LostCaptures, WatchedCapture
-    from vllm_tap.client.record import Recorder, RecordOptions
+    from vllm_tap.client.datasets.recorder import Recorder, RecordOptions
     from vllm_tap.tools.launch import DaemonHandle
 
     rows, width = p.rows_per_capture, p.vocab

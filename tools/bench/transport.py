@@ -116,8 +116,9 @@ class TransportParams:
 
 def _writer_main(shm: str, ring_bytes: int, cmds: Any, results: Any) -> None:
     from vllm_tap import ring_format as rf
-    from vllm_tap.records import TensorId
-    from vllm_tap.ring import RingWriter, ring_path
+    from vllm_tap.ring_records import TensorId
+    from vllm_tap.ring_files import ring_path
+    from vllm_tap.ring_writer import RingWriter
     from vllm_tap.spec import CaptureSpec
 
     logits = TensorId(rf.TensorKind.LOGITS)

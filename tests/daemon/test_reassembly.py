@@ -1,0 +1,581 @@
+"""The reassembler as a pure state machine: records in, events out; no IO, time passed in.
+
+Tests of joining and ordering use `plain()`, a reassembler that does not hold back the newest
+position (HOLD_NEWEST, for async scheduling), so each step's positions come out at once; the hold
+itself, the ends without an END, tails, budgets and restarts have tests of their own below, with
+the daemon's defaults."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_tap import ring_format as rf
+from vllm_tap.daemon.reassembly import (
+    DROPPED, END_LOST, INCOMPLETE, MALFORMED, NOT_CAPTURED, NOT_CAPTURED_PREVIOUS, OVER_BUDGET, TIMEOUT, WRITER_GONE,
+    Begin, End, Gap, Reassembler, Tokens,
+)
+from vllm_tap.ring_records import RingRecord, TensorId
+from vllm_tap.ring_schema import control_record
+from vllm_tap.spec import CaptureSpec
+
+V = 8  # vocab
+H = 4  # hidden
+LOGITS = TensorId(rf.TensorKind.LOGITS)
+RID = "req-1"
+
+
+def plain(instance: str = "default", **kw) -> Reassembler:
+    return Reassembler(instance, hold_newest=0, **kw)
+
+
+def vals(name: str, positions, s0: int, s1: int) -> np.ndarray:
+    p = np.asarray(positions, np.float32)[:, None]
+    c = np.arange(s0, s1, dtype=np.float32)[None, :]
+    return p * 100 + c + (0.5 if name != "logits" else 0.0)
+
+
+def data(step, positions, *, tensor=LOGITS, rank=0, expected=1, parts=1, s=None, full=None, rid=RID,
+         source=None, n_prompt=4, start=-1, tail=0, origin="client") -> RingRecord:
+    full = full or (V if tensor.kind == rf.TensorKind.LOGITS else H)
+    s0, s1 = s or (0, full)
+    pos = np.asarray(positions, np.int32)
+    return RingRecord(
+        kind=rf.RecordKind.DATA, request_id=rid, step=step, rank=rank, expected_ranks=expected, rank_parts=parts,
+        tensor=tensor, dtype=rf.DType.FLOAT32, slice_start=s0, slice_stop=s1, full_dim=full, num_prompt_tokens=n_prompt,
+        positions=pos, token_ids=pos + 1000, data=vals(tensor.name, pos, s0, s1), ring=source or f"rank-{rank:05d}.ring",
+        start=start, tail=tail, source=origin,
+    )
+
+
+def begin(rid=RID, n_prompt=4, spec=None) -> RingRecord:
+    return control_record(rf.RecordKind.BEGIN, rid, {
+        "spec": (spec or CaptureSpec()).to_meta(), "num_prompt_tokens": n_prompt,
+        "prompt_token_ids": list(range(n_prompt)), "n": 1, "model": "m"})
+
+
+def end(end_position, rid=RID, n_prompt=4, reason="stop", spec=None) -> RingRecord:
+    n_out = min(max(end_position - n_prompt + 1, 0), 64)  # the ids are not what these tests are about
+    meta = {"reason": reason, "num_prompt_tokens": n_prompt, "num_output_tokens": n_out,
+            "output_token_ids": [7] * n_out, "end_position": end_position}
+    if spec is not None:
+        meta.update(spec=spec.to_meta(), source=spec.source)
+    return control_record(rf.RecordKind.END, rid, meta)
+
+
+def drop(positions, rid=RID, rank=0) -> RingRecord:
+    return control_record(rf.RecordKind.DROP, rid, {"tensor": int(rf.TensorKind.LOGITS), "layer": -1,
+                                                   "positions": list(positions)},
+                          rank=rank, ring=f"rank-{rank:05d}.ring")
+
+
+def live(*rids) -> RingRecord:
+    return control_record(rf.RecordKind.LIVE, "", {"requests": list(rids)})
+
+
+def feed(r: Reassembler, *records, now=0.0) -> list:
+    out = []
+    for rec in records:
+        out += r.feed(rec, now)
+    return out
+
+
+def delivered(events) -> list[int]:
+    return [int(p) for e in events if isinstance(e, Tokens) for p in e.positions]
+
+
+def gaps(events) -> list[tuple[list[int], str]]:
+    return [(list(e.positions), e.reason) for e in events if isinstance(e, Gap)]
+
+
+def the_end(events) -> End:
+    ends = [e for e in events if isinstance(e, End)]
+    assert len(ends) == 1, events
+    return ends[0]
+
+
+def test_single_rank_in_order_views_and_end():
+    r = plain("inst")
+    ev = feed(r, begin())
+    assert isinstance(ev[0], Begin) and ev[0].start_position == 0 and not ev[0].lazy
+    rec = data(0, [0, 1, 2, 3])
+    ev = feed(r, rec, data(1, [4]), end(5))
+    assert delivered(ev) == [0, 1, 2, 3, 4]
+    first = ev[0]
+    assert np.shares_memory(first.tensors["logits"], rec.data), "tp=1 must not copy"
+    assert first.tensors["logits"].tobytes() == vals("logits", [0, 1, 2, 3], 0, V).tobytes()
+    assert list(first.token_ids) == [1000, 1001, 1002, 1003]
+    e = the_end(ev)
+    assert e.reason == "stop" and e.missing_positions == [] and e.delivered == 5 and e.expected == (0, 5)
+    assert e.instance == "inst" and r.in_flight() == 0
+
+
+def test_two_rank_slices_join_in_rank_order_whatever_the_arrival_order():
+    r = plain()
+    feed(r, begin())
+    half = V // 2
+    ev = feed(r, data(0, [0, 1], rank=1, expected=2, s=(half, V)))
+    assert delivered(ev) == []  # half a tensor is never delivered
+    ev = feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, half)))
+    (tok,) = [e for e in ev if isinstance(e, Tokens)]
+    assert tok.tensors["logits"].shape == (2, V)
+    assert tok.tensors["logits"].tobytes() == vals("logits", [0, 1], 0, V).tobytes()
+
+
+def test_missing_rank_slice_makes_positions_missing_never_a_wrong_concat():
+    r = plain()
+    feed(r, begin())
+    half = V // 2
+    # Step 0: only rank 0's slice arrives. Step 1: both. Rank 1 has moved past step 0, so step 0 is lost.
+    ev = feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, half)),
+              data(1, [2], rank=0, expected=2, s=(0, half)), data(1, [2], rank=1, expected=2, s=(half, V)))
+    assert gaps(ev) == [([0, 1], INCOMPLETE)]
+    assert delivered(ev) == [2]
+    ev = feed(r, end(3))
+    assert the_end(ev).missing_positions == [0, 1]
+
+
+def test_overlapping_slices_are_missing_not_concatenated():
+    r = plain()
+    feed(r, begin())
+    ev = feed(r, data(0, [0], rank=0, expected=2, s=(0, V // 2)), data(0, [0], rank=1, expected=2, s=(0, V // 2)))
+    assert delivered(ev) == [] and gaps(ev) == [([0], INCOMPLETE)]
+
+
+def test_pipeline_stages_join_per_token():
+    r = plain()
+    feed(r, begin(spec=CaptureSpec(layers=(0, 1, 2, 3))))
+    hid = [TensorId(rf.TensorKind.HIDDEN, l) for l in range(4)]
+    ev = []
+    for step, pos in ((0, [0, 1, 2]), (1, [3])):
+        part = feed(r, data(step, pos, tensor=hid[0], rank=0, expected=2, parts=2),
+                    data(step, pos, tensor=hid[1], rank=0, expected=2, parts=2),
+                    data(step, pos, tensor=hid[2], rank=1, expected=2, parts=3))
+        assert not delivered(part)  # rank 1 still owes layer 3 and the logits
+        ev += feed(r, data(step, pos, tensor=hid[3], rank=1, expected=2, parts=3),
+                   data(step, pos, rank=1, expected=2, parts=3))
+    toks = [e for e in ev if isinstance(e, Tokens)]
+    assert [list(t.positions) for t in toks] == [[0, 1, 2], [3]]
+    assert sorted(toks[0].tensors) == ["hidden.0", "hidden.1", "hidden.2", "hidden.3", "logits"]
+    assert toks[0].tensors["hidden.2"].tobytes() == vals("hidden.2", [0, 1, 2], 0, H).tobytes()
+
+
+def test_out_of_order_completion_is_delivered_in_position_order():
+    r = plain()
+    feed(r, begin())
+    # Step 0 needs both ranks; step 1 only rank 0 (say, top-k written whole by one rank).
+    ev = feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, 4)))
+    ev += feed(r, data(1, [2], rank=0, expected=1))
+    assert delivered(ev) == [] and gaps(ev) == []  # position 2 is complete but waits for 0-1
+    ev += feed(r, data(0, [0, 1], rank=1, expected=2, s=(4, 8)))
+    assert delivered(ev) == [0, 1, 2]
+    assert [list(e.positions) for e in ev if isinstance(e, Tokens)] == [[0, 1], [2]]
+
+
+def test_a_group_no_rank_can_complete_any_more_is_missing_at_once():
+    r = plain()
+    feed(r, begin())
+    # Rank 1's step-0 record never arrives but its step-1 record does: rings are FIFO, so step 0
+    # can no longer complete (its record was dropped, or consumed by a previous daemon).
+    ev = feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, 4)), data(1, [2], rank=0, expected=2, s=(0, 4)),
+              data(1, [2], rank=1, expected=2, s=(4, 8)))
+    assert gaps(ev) == [([0, 1], INCOMPLETE)] and delivered(ev) == [2]
+    assert feed(r, data(0, [0, 1], rank=1, expected=2, s=(4, 8))) == []  # too late: ignored
+
+
+def test_recomputed_positions_are_delivered_once():
+    r = plain()
+    feed(r, begin())
+    ev = feed(r, data(0, [0, 1, 2, 3]), data(1, [4]))
+    # Preempted and recomputed from scratch: positions 0..5 again in a later step.
+    rec = data(2, [0, 1, 2, 3, 4, 5])
+    ev += feed(r, rec)
+    assert delivered(ev) == [0, 1, 2, 3, 4, 5]
+    last = [e for e in ev if isinstance(e, Tokens)][-1]
+    assert list(last.positions) == [5] and np.shares_memory(last.tensors["logits"], rec.data)
+    ev += feed(r, data(3, [0, 1, 2]))  # a pure duplicate changes nothing
+    assert delivered(ev) == [0, 1, 2, 3, 4, 5]
+    assert r.stats["duplicate_records"] == 1
+
+
+def test_drop_is_a_gap_at_once_and_late_slices_of_it_are_ignored():
+    r = plain()
+    feed(r, begin())
+    ev = feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, 4)),
+              data(0, [0, 1], rank=1, expected=2, s=(4, 8)))
+    ev += feed(r, drop([2, 3], rank=1))  # rank 1 had no room for step 1
+    assert gaps(ev) == [([2, 3], DROPPED)]
+    ev += feed(r, data(1, [2, 3], rank=0, expected=2, s=(0, 4)))  # rank 0's half of the dropped step
+    ev += feed(r, data(2, [4], rank=0, expected=2, s=(0, 4)), data(2, [4], rank=1, expected=2, s=(4, 8)), end(5))
+    assert delivered(ev) == [0, 1, 4]
+    assert the_end(ev).missing_positions == [2, 3]
+
+
+def test_positions_never_written_become_a_gap_once_later_ones_complete():
+    r = plain()
+    feed(r, begin())
+    ev = feed(r, data(0, [3, 4]))  # e.g. a cached prefix was not recomputed
+    assert gaps(ev) == [([0, 1, 2], NOT_CAPTURED)] and delivered(ev) == [3, 4]
+
+
+def test_end_before_last_data_waits_then_completes():
+    r = plain(end_grace_s=5.0)
+    feed(r, begin())
+    ev = feed(r, data(0, [0, 1, 2, 3]), end(5), now=1.0)
+    assert not [e for e in ev if isinstance(e, End)]
+    assert r.tick(3.0) == []
+    ev = feed(r, data(1, [4]), now=3.5)
+    assert delivered(ev) == [4] and the_end(ev).missing_positions == []
+
+
+def test_end_grace_expiry_declares_the_rest_missing():
+    r = plain(end_grace_s=2.0)
+    feed(r, begin())
+    ev = feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, 4)), data(1, [2, 3], rank=0, expected=2, s=(0, 4)), now=0.0)
+    ev += feed(r, end(6), now=1.0)
+    assert r.tick(2.9) == []
+    ev = r.tick(3.0)
+    assert gaps(ev) == [([0, 1], TIMEOUT), ([2, 3], TIMEOUT), ([4, 5], TIMEOUT)]
+    e = the_end(ev)
+    assert e.reason == "stop" and e.missing_positions == [0, 1, 2, 3, 4, 5] and e.delivered == 0
+    assert feed(r, data(2, [0, 1], rank=1, expected=2, s=(4, 8))) == []  # stragglers after the end are ignored
+    assert r.stats["late_records"] == 1
+
+
+def test_dead_worker_makes_pending_groups_missing_after_grace():
+    r = plain(end_grace_s=1.0)
+    feed(r, begin())
+    feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, 4), source="rank-00000.ring"),
+         data(0, [0, 1], rank=1, expected=2, s=(4, 8), source="rank-00001.ring"))
+    feed(r, data(1, [2], rank=0, expected=2, s=(0, 4), source="rank-00000.ring"))
+    r.writer_gone("rank-00001.ring", 10.0)  # after its ring was drained: one more read of the others
+    assert r.tick(10.2) == []
+    ev = r.tick(10.25)
+    assert gaps(ev) == [([2], WRITER_GONE)]
+    assert r.in_flight() == 1  # the engine is alive: it will END the request
+    ev = feed(r, end(3), now=11.5)
+    e = the_end(ev)
+    assert e.missing_positions == [2] and e.delivered == 2
+
+
+def test_dead_engine_ends_requests():
+    r = plain(end_grace_s=1.0)
+    feed(r, begin(), data(0, [0, 1]))
+    r.writer_gone("engine.ring", 5.0)
+    ev = r.tick(6.0)
+    e = the_end(ev)
+    assert e.reason == WRITER_GONE and e.delivered == 2 and e.missing_positions == []
+
+
+def test_data_before_begin_makes_a_lazy_request_then_the_begin_fills_it_in():
+    r = plain()
+    ev = feed(r, data(0, [0, 1]))
+    assert isinstance(ev[0], Begin) and ev[0].lazy and ev[0].spec is None
+    assert delivered(ev) == [0, 1]
+    ev = feed(r, begin())
+    assert len(ev) == 1 and ev[0].update and ev[0].spec is not None and ev[0].prompt_token_ids == [0, 1, 2, 3]
+    ev = feed(r, data(1, [2]), end(3))
+    assert delivered(ev) == [2] and the_end(ev).missing_positions == []
+
+
+def test_no_begin_at_all_capture_starts_at_the_first_position_seen():
+    r = plain()
+    ev = feed(r, data(7, [10, 11]), data(8, [12]), end(13))
+    assert delivered(ev) == [10, 11, 12]
+    e = the_end(ev)
+    assert e.expected == (10, 13) and e.missing_positions == []
+
+
+def test_instances_are_independent():
+    a, b = plain("a"), plain("b")
+    ea = feed(a, begin(), data(0, [0]))
+    eb = feed(b, begin(), data(0, [0, 1]))
+    assert [e.key for e in ea] == [("a", RID)] * 2 and [e.key for e in eb] == [("b", RID)] * 2
+
+
+def test_end_before_any_data_of_a_lazy_request_starts_where_the_data_does():
+    # A restarted daemon reads the engine ring first: the END of a request whose BEGIN (and first
+    # positions) the previous daemon consumed comes before the rest of its data.
+    r = plain()
+    ev = feed(r, end(13))
+    assert isinstance(ev[0], Begin) and ev[0].lazy and not [e for e in ev if isinstance(e, End)]
+    ev = feed(r, data(7, [11, 12]))
+    assert delivered(ev) == [11, 12] and gaps(ev) == []
+    e = the_end(ev)
+    assert e.expected == (11, 13) and e.missing_positions == []
+
+
+def test_last_output_holds_positions_until_the_end_names_the_last():
+    from vllm_tap.spec import PositionsMode
+
+    r = plain()
+    ev = feed(r, begin(spec=CaptureSpec(positions=PositionsMode.LAST_OUTPUT)))
+    assert ev[0].start_position is None
+    # Workers write every output position (the last is unknown while the request runs).
+    ev = feed(r, data(0, [3]), data(1, [4]), data(2, [5]))
+    assert delivered(ev) == []
+    ev = feed(r, end(6))
+    assert delivered(ev) == [5]
+    e = the_end(ev)
+    assert e.expected == (5, 6) and e.missing_positions == []
+
+
+# -- with the daemon's defaults: the newest position is held back (async scheduling) --
+
+
+def test_rows_computed_past_the_end_before_the_end_is_read_are_never_delivered():
+    """Async scheduling computes a finished request once more (position end_position); that row
+    may be read before the END. Holding the newest position back keeps it out."""
+    r = Reassembler()
+    feed(r, begin())  # 4 prompt positions
+    ev = feed(r, data(0, [0, 1, 2, 3]))
+    assert delivered(ev) == [0, 1, 2, 3]  # prompt positions are never past the end
+    ev = feed(r, data(1, [4]))
+    assert delivered(ev) == []  # 4 waits for a later position or the END
+    ev = feed(r, data(2, [5]))  # computed one step past the end: the END will say 5
+    assert delivered(ev) == [4]
+    ev = feed(r, end(5))
+    assert delivered(ev) == []
+    e = the_end(ev)
+    assert e.complete and e.expected == (0, 5) and e.missing_positions == [] and e.delivered == 5
+
+
+def test_rows_computed_past_the_end_after_the_end_are_dropped():
+    r = Reassembler()
+    feed(r, begin(), data(0, [0, 1, 2, 3]), data(1, [4]))
+    ev = feed(r, end(5), data(2, [5]))
+    assert delivered(ev) == [4] and the_end(ev).complete
+    r2 = Reassembler(end_grace_s=5.0)  # the END first, while a rank still owes position 4
+    feed(r2, begin(), data(0, [0, 1, 2, 3]))
+    ev = feed(r2, end(5), data(2, [5]), data(1, [4]))
+    assert delivered(ev) == [4] and the_end(ev).missing_positions == []
+    assert r2.stats["past_end_records"] == 1
+
+
+def test_a_dropped_row_past_the_end_is_not_a_missing_position():
+    r = Reassembler()
+    feed(r, begin(), data(0, [0, 1, 2, 3]), data(1, [4]))
+    ev = feed(r, drop([5]), end(5))
+    assert gaps(ev) == [] and delivered(ev) == [4] and the_end(ev).complete
+
+
+# -- tails: the last N computed positions --
+
+
+def test_a_tail_capture_keeps_only_its_last_positions_until_the_end_says_which():
+    r = Reassembler()
+    tail = dict(start=-1, tail=3)
+    ev = feed(r, data(0, [0, 1, 2, 3], **tail), data(1, [4], **tail), data(2, [5], **tail))
+    assert delivered(ev) == [] and gaps(ev) == []
+    held = r.requests()[0]["held_bytes"]
+    ev = feed(r, data(3, [6], **tail), data(4, [7], **tail))  # 7: one step past the end
+    assert delivered(ev) == [] and r.requests()[0]["held_bytes"] <= held  # old positions are let go
+    ev = feed(r, end(7))
+    assert delivered(ev) == [4, 5, 6] and gaps(ev) == []
+    e = the_end(ev)
+    assert e.expected == (4, 7) and e.complete
+    assert r.held_bytes == 0
+
+
+def test_last_output_and_a_row_past_the_end():
+    from vllm_tap.spec import PositionsMode
+
+    r = Reassembler()
+    feed(r, begin(spec=CaptureSpec(positions=PositionsMode.LAST_OUTPUT)))
+    ev = feed(r, data(0, [3]), data(1, [4]), data(2, [5]), data(3, [6]), end(6))
+    assert delivered(ev) == [5] and the_end(ev).expected == (5, 6) and the_end(ev).complete
+
+
+def test_a_tail_capture_whose_writer_dies_keeps_the_last_positions_it_reached():
+    r = Reassembler(end_grace_s=1.0)
+    tail = dict(start=-1, tail=2)
+    feed(r, data(0, [0, 1, 2, 3], **tail), data(1, [4], **tail))
+    r.writer_gone("rank-00000.ring", 1.0)
+    ev = r.tick(2.0)
+    assert delivered(ev) == [3, 4]
+    e = the_end(ev)
+    assert e.reason == WRITER_GONE and not e.complete and e.expected == (3, 5)
+
+
+# -- where a capture starts, when the BEGIN was not seen --
+
+
+def test_a_lazy_capture_reports_its_head_first_from_the_request_tables_start():
+    r = Reassembler()
+    r.resumed_ring("rank-00000.ring")  # a previous daemon had been reading it
+    ev = feed(r, data(5, [8, 9], start=0))
+    assert isinstance(ev[0], Begin) and ev[0].lazy and ev[0].start_position == 0
+    assert gaps(ev) == [(list(range(8)), NOT_CAPTURED_PREVIOUS)] and delivered(ev) == [8]
+    assert [type(e).__name__ for e in ev] == ["Begin", "Gap", "Tokens"]  # the gap before any data
+    ev = feed(r, data(6, [10]), end(11))
+    assert delivered(ev) == [9, 10]
+    e = the_end(ev)
+    assert e.expected == (0, 11) and e.missing_positions == list(range(8)) and not e.complete
+
+
+def test_a_lazy_capture_from_a_ring_nobody_read_before_says_not_captured():
+    r = Reassembler()
+    ev = feed(r, data(0, [3, 4], start=0))
+    assert gaps(ev) == [([0, 1, 2], NOT_CAPTURED)]
+
+
+def test_an_end_carrying_the_spec_places_a_lazy_capture():
+    r = Reassembler()
+    r.resumed_ring("engine.ring")
+    ev = feed(r, end(10, spec=CaptureSpec()))
+    assert isinstance(ev[0], Begin) and ev[0].start_position == 0 and ev[0].spec is not None
+    ev = feed(r, data(3, [7, 8, 9]))
+    assert gaps(ev) == [(list(range(7)), NOT_CAPTURED_PREVIOUS)] and delivered(ev) == [7, 8, 9]
+    assert the_end(ev).missing_positions == list(range(7))
+
+
+def test_an_end_whose_data_a_previous_daemon_consumed_ends_with_that_reason():
+    r = Reassembler(end_grace_s=1.0)
+    r.resumed_ring("engine.ring")
+    feed(r, end(6, spec=CaptureSpec()), now=0.0)
+    ev = r.tick(1.0)
+    assert gaps(ev) == [(list(range(6)), NOT_CAPTURED_PREVIOUS)] and not the_end(ev).complete
+
+
+# -- source --
+
+
+def test_source_travels_from_begin_and_from_the_request_table():
+    r = Reassembler()
+    ev = feed(r, begin(n_prompt=1, spec=CaptureSpec(source="policy")), data(0, [0]), end(1, n_prompt=1))
+    assert ev[0].source == "policy" and the_end(ev).source == "policy"
+    r2 = Reassembler()
+    ev = feed(r2, data(0, [0], start=0, origin="policy"))
+    assert ev[0].lazy and ev[0].source == "policy"
+
+
+# -- ends without an END --
+
+
+def test_two_live_records_without_the_request_end_it_after_the_grace():
+    r = Reassembler(end_grace_s=1.0)
+    feed(r, begin(n_prompt=1), data(0, [0, 1, 2]), now=0.0)
+    feed(r, live(), now=1.0)
+    feed(r, live(), now=2.0)
+    assert r.tick(2.9) == []
+    ev = r.tick(3.0)
+    assert delivered(ev) == [2]  # the held newest goes out: nothing says it is past an end
+    e = the_end(ev)
+    assert e.reason == END_LOST and not e.complete and e.end_position is None and e.expected == (0, 3)
+
+
+def test_one_live_record_without_the_request_then_silence_ends_it():
+    r = Reassembler(end_grace_s=1.0, live_silence_s=3.0)
+    feed(r, begin(), data(0, [0, 1]), now=0.0)
+    feed(r, live(), now=1.0)  # the last LIVE the engine writes, once no capture runs
+    assert r.tick(4.9) == []
+    assert the_end(r.tick(5.0)).reason == END_LOST
+
+
+def test_a_record_after_an_absence_or_a_listing_keeps_the_capture():
+    r = Reassembler(end_grace_s=1.0, live_silence_s=3.0)
+    feed(r, begin(), data(0, [0, 1]), now=0.0)
+    feed(r, live(), now=1.0)
+    feed(r, data(1, [2]), now=1.5)  # read after that LIVE but written before it: it still runs
+    feed(r, live(), now=2.0)
+    assert r.tick(3.5) == []  # two absences in a row, but not two without a record between
+    feed(r, live(RID), now=3.6)
+    feed(r, live(), now=4.0)
+    assert r.tick(7.5) == []  # one absence since it was listed; silence counts from 4.0
+    assert the_end(r.tick(8.0)).reason == END_LOST
+
+
+def test_live_records_count_only_from_the_engine_ring():
+    r = Reassembler(end_grace_s=1.0)
+    feed(r, begin(), data(0, [0, 1]), now=0.0)
+    bogus = control_record(rf.RecordKind.LIVE, "", {"requests": []}, ring="rank-00000.ring", rank=0)
+    feed(r, bogus, now=1.0)
+    feed(r, bogus, now=2.0)
+    assert r.tick(20.0) == [] and r.in_flight() == 1
+
+
+def test_a_dead_writer_ends_its_captures_after_a_short_grace_not_the_end_grace():
+    r = Reassembler(end_grace_s=5.0)
+    feed(r, begin(), data(0, [0, 1, 2]), now=0.0)
+    r.writer_gone("engine.ring", 1.0)
+    assert r.tick(1.2) == []
+    e = the_end(r.tick(1.25))
+    assert e.reason == WRITER_GONE and not e.complete
+
+
+def test_a_malformed_record_ends_the_captures_it_names():
+    r = Reassembler()
+    feed(r, begin(n_prompt=1), data(0, [0, 1, 2]), now=0.0)
+    ev = r.reject([RID, "never-begun"], "request table: Expected `int`", 1.0)
+    mine = [e for e in ev if e.request_id == RID]
+    assert delivered(mine) == [2] and the_end(mine).reason == MALFORMED
+    other = [e for e in ev if e.request_id == "never-begun"]
+    assert isinstance(other[0], Begin) and the_end(other).reason == MALFORMED
+    assert feed(r, data(1, [3])) == [] and r.stats["late_records"] == 1  # what follows is late
+
+
+def test_a_cut_capture_keeps_nothing_and_reports_the_rest_as_gaps():
+    r = Reassembler()
+    feed(r, begin(), data(0, [0, 1, 2, 3], rank=0, expected=2, s=(0, 4)))
+    assert r.held_bytes > 0
+    ev = r.cut(RID, 1.0, reason=OVER_BUDGET)
+    assert r.held_bytes == 0 and r.stats["captures_cut"] == 1
+    ev += feed(r, data(1, [4]), data(2, [5]), end(6))
+    assert delivered(ev) == []
+    assert [g[1] for g in gaps(ev)] == [OVER_BUDGET] * len(gaps(ev))
+    e = the_end(ev)
+    assert e.missing_positions == list(range(6)) and not e.complete and r.held_bytes == 0
+
+
+def test_far_apart_positions_cost_ranges():
+    r = Reassembler()
+    far = (1 << 31) - 2
+    ev = feed(r, begin(), data(0, [0, far]), end(far + 1))
+    e = the_end(ev)
+    assert delivered(ev) == [0, far] and e.missing_positions.ranges == [(1, far)]
+    (gap,) = [x for x in ev if isinstance(x, Gap)]  # not gaps(): it would list two billion positions
+    assert gap.positions == range(1, far) and gap.reason == NOT_CAPTURED and len(e.missing_positions) == far - 1
+
+
+def test_bytes_held_are_counted_and_given_back():
+    r = Reassembler()
+    feed(r, begin(n_prompt=1))
+    feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, 4)))
+    one = r.held_bytes
+    assert one > 0 and dict(r.request_bytes())[RID] == one
+    feed(r, data(0, [0, 1], rank=1, expected=2, s=(4, 8)))  # complete: 0 out, 1 held back as Tokens
+    assert 0 < r.held_bytes < 2 * one
+    feed(r, end(2, n_prompt=1))
+    assert r.held_bytes == 0 and list(r.request_bytes()) == []
+
+
+def test_a_record_read_after_the_last_live_record_only_delays_the_end():
+    """The engine writes one LIVE after the last capture ends; data written before it can be read
+    after it (another ring). That must not keep the capture open for ever."""
+    r = Reassembler(end_grace_s=1.0, live_silence_s=3.0)
+    feed(r, begin(), data(0, [0, 1]), now=0.0)
+    feed(r, live(), now=1.0)
+    feed(r, data(1, [2]), now=1.1)
+    assert r.tick(4.0) == []
+    assert the_end(r.tick(5.1)).reason == END_LOST  # 1.1 + 3 s of quiet + 1 s grace
+
+
+def test_prompt_positions_are_never_held_back():
+    """Only a decode step runs past the end: a prompt capture is delivered at prefill, not at the END."""
+    from vllm_tap.spec import PositionsMode
+
+    r = Reassembler()
+    feed(r, begin(n_prompt=6, spec=CaptureSpec(positions=PositionsMode.PROMPT)))
+    ev = feed(r, data(0, [0, 1, 2, 3], n_prompt=6), data(1, [4, 5], n_prompt=6))
+    assert delivered(ev) == [0, 1, 2, 3, 4, 5]
+    ev = feed(r, data(2, [6], n_prompt=6))  # the first decode step (workers of a prompt capture skip it)
+    assert delivered(ev) == []
+
+
+def test_nothing_is_held_back_when_the_engine_does_not_schedule_asynchronously():
+    r = Reassembler()
+    b = control_record(rf.RecordKind.BEGIN, RID, {"spec": CaptureSpec().to_meta(), "num_prompt_tokens": 2,
+                                                   "async_scheduling": False})
+    ev = feed(r, b, data(0, [0, 1]), data(1, [2]))
+    assert delivered(ev) == [0, 1, 2]
+    ev = feed(r, data(2, [3]))
+    assert delivered(ev) == [3]

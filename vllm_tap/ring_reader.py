@@ -1,0 +1,429 @@
+"""The consumer side of a record ring (vllm_tap.ring_writer is the producer), run by the daemon.
+
+The reader persists its cursor in the file, so a restarted daemon resumes exactly where the last
+one stopped; a restarted writer creates a fresh file (new inode, new epoch) that the reader notices.
+
+Ordering: the writer stores payload bytes before the cursor, and the reader loads the cursor before
+the payload. x86-64 keeps stores in order, which is where this runs; on weakly ordered CPUs the
+writer's numpy stores would need explicit fences.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import stat
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vllm_tap import ring_format as rf
+from vllm_tap import ring_schema
+from vllm_tap.ring_records import RingRecord
+from vllm_tap.ring_files import RingFormatError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RingInfo:
+    path: str
+    rank: int
+    world_size: int
+    capacity: int
+    epoch: int
+    writer_pid: int
+    write_cursor: int
+    read_cursor: int
+    stats: dict[str, int]
+
+    @property
+    def backlog_bytes(self) -> int:
+        return self.write_cursor - self.read_cursor
+
+
+class RingBroken(RuntimeError):
+    """The ring file changed under the reader (truncated, grown, cursors that cannot be): stop using it."""
+
+
+# The reader's rules (see the module docstring for the ring itself):
+# - It never maps the file: everything is read with pread into its own buffers, so a file that is
+#   truncated, grown or punched under it gives a short read or a size mismatch (RingBroken), never
+#   a SIGBUS. Its cursor and liveness go back with pwrite.
+# - The writer stores its cursor with one aligned 8-byte store; a pread copy of it is not promised
+#   to be one load, so the cursor is read until two reads agree.
+# - It opens a ring without following symlinks (O_NOFOLLOW, relative to an already opened
+#   directory when given one), without blocking (a FIFO named *.ring), and only a regular file.
+# - Every record goes through vllm_tap.ring_schema; one that does not fit is skipped alone (its
+#   length was sane), counted in `rejected`, logged with ring and cursor, and kept in `rejections`
+#   for the daemon to end the captures it names.
+MAX_CAPACITY = 1 << 40
+_PAGE = 4096
+_CURSOR_READS = 8  # reads of the write cursor before giving up on two that agree
+_LIVENESS_EVERY_NS = 500_000_000  # how often the reader stamps its pid and time into the header
+_LOG_FIRST = 20  # rejected or corrupt records logged one by one per ring; then a count per minute
+_LOG_EVERY_S = 60.0
+_KEEP_REJECTIONS = 4096
+_WINDOW = 256 << 10  # bytes read at once among records that are not large
+_PREFIX = 4096  # bytes read at once after a large record (header, table and rows of the next)
+_DIRECT = 64 << 10  # DATA records at least this large have their payload read straight into its arrays
+_IOV_MAX = 1024  # pieces per preadv (the kernel's UIO_MAXIOV)
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
+
+
+def _ring_fd(path: str, dir_fd: int | None, name: str | None, writable: bool) -> int:
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | _OPEN_FLAGS
+    try:
+        return os.open(name if dir_fd is not None and name else path, flags, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise RingFormatError(f"{path}: is a symbolic link (not followed)") from None
+        raise
+
+
+def allocated_enough(st: os.stat_result, write_cursor: int, capacity: int) -> bool:
+    """Whether the file has storage behind what its cursor says was written.
+
+    A writer reserves the whole file when it creates it (posix_fallocate); a file mostly made of
+    holes where records are said to be was made by something else. (Half, not all: a writer that
+    only truncated the file to size, as before reservations, leaves the tail of a PAD unwritten.)"""
+    written = rf.HEADER_SIZE + min(max(write_cursor, 0), capacity)
+    return st.st_blocks * 512 + _PAGE >= min(st.st_size, written) // 2
+
+
+class RingReader:
+    """The consumer side: copies records out with pread and persists the read cursor in the file."""
+
+    def __init__(self, path: str, *, dir_fd: int | None = None, name: str | None = None, writable: bool = True,
+                 require_allocated: bool = True):
+        self.path = path
+        self.name = name or os.path.basename(path)
+        fd = _ring_fd(path, dir_fd, name, writable)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise RingFormatError(f"{path}: not a regular file")
+            if st.st_size < rf.HEADER_SIZE:
+                raise RingFormatError(f"{path}: too short for a ring header")
+            head = os.pread(fd, rf.HEADER_SIZE, 0)
+            if len(head) < rf.HEADER_SIZE:
+                raise RingFormatError(f"{path}: too short for a ring header")
+            magic, version, header_size, capacity, epoch, pid, rank, world, _flags = rf.ident_struct().unpack_from(
+                head, rf.IDENT_OFFSET)
+            if magic != rf.RING_MAGIC:
+                raise RingFormatError(f"{path}: not a vllm-tap ring (bad magic)")
+            if version not in rf.READABLE_VERSIONS:
+                raise RingFormatError(f"{path}: ring format v{version}, this reader reads "
+                                      f"v{', v'.join(map(str, rf.READABLE_VERSIONS))}")
+            if (header_size != rf.HEADER_SIZE or capacity % rf.ALIGN or not 4 * rf.ALIGN <= capacity <= MAX_CAPACITY
+                    or st.st_size != header_size + capacity):
+                raise RingFormatError(f"{path}: inconsistent header (size {st.st_size}, capacity {capacity})")
+            if not -1 <= rank < 0xFFFF or not 0 < world <= 0xFFFF:
+                raise RingFormatError(f"{path}: inconsistent header (rank {rank} of {world})")
+            read = int.from_bytes(head[rf.READ_CURSOR_OFFSET : rf.READ_CURSOR_OFFSET + 8], "little")
+            write = int.from_bytes(head[rf.WRITE_CURSOR_OFFSET : rf.WRITE_CURSOR_OFFSET + 8], "little")
+            if require_allocated and not allocated_enough(st, write, capacity):
+                raise RingFormatError(
+                    f"{path}: sparse file ({st.st_blocks * 512} bytes allocated of {st.st_size}): not made by a writer")
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self.inode = st.st_ino
+        self.dev = st.st_dev
+        self.size = st.st_size
+        self.capacity = capacity
+        self.epoch = epoch
+        self.writer_pid = pid
+        self.rank = rank
+        self.world_size = world
+        self._writable = writable
+        self._r = read
+        self.resumed = read > 0  # a previous reader consumed part of it (a restarted daemon)
+        self.corrupt = 0
+        self.rejected = 0
+        self.sink_failures = 0  # records the sink's arrays could not take (read privately instead)
+        self.rejections: collections.deque = collections.deque(maxlen=_KEEP_REJECTIONS)
+        self._scratch = np.empty(0, np.uint8)
+        self._table_cache = ring_schema.TableCache()
+        # Where DATA payloads go (the daemon's delivery arena, placed by reassembly): see ring_schema.Sink.
+        self.sink: ring_schema.Sink | None = None
+        self._stamped = 0
+        self._logged = 0
+        self._unlogged = 0
+        self._log_at = 0.0
+
+    # -- raw access --
+
+    def _short(self, got: int, n: int, offset: int) -> RingBroken:
+        try:
+            size = os.fstat(self._fd).st_size
+        except OSError:
+            size = -1
+        return RingBroken(f"{self.path}: size changed from {self.size} to {size} bytes "
+                          f"(read {got} of {n} bytes at {offset})")
+
+    def _pread_into(self, buf: np.ndarray, offset: int) -> None:
+        n = len(buf)
+        got = os.preadv(self._fd, [memoryview(buf)], offset) if n else 0
+        if got != n:
+            raise self._short(got, n, offset)
+
+    def _preadv(self, iov: list[memoryview], offset: int, n: int) -> None:
+        got = 0
+        for k in range(0, len(iov), _IOV_MAX):
+            got += os.preadv(self._fd, iov[k : k + _IOV_MAX], offset + got) if n else 0
+        if got != n:
+            raise self._short(got, n, offset)
+
+    def _u64(self, offset: int) -> int:
+        b = os.pread(self._fd, 8, offset)
+        if len(b) != 8:
+            raise self._short(len(b), 8, offset)
+        return int.from_bytes(b, "little")
+
+    def write_cursor(self) -> int:
+        a = self._u64(rf.WRITE_CURSOR_OFFSET)
+        for _ in range(_CURSOR_READS):
+            b = self._u64(rf.WRITE_CURSOR_OFFSET)
+            if a == b:
+                return a
+            a = b
+        raise RingBroken(f"{self.path}: the write cursor never read the same twice")
+
+    def _store_read_cursor(self, r: int) -> None:
+        self._r = r
+        if self._writable:
+            os.pwrite(self._fd, r.to_bytes(8, "little"), rf.READ_CURSOR_OFFSET)
+
+    def _stamp(self) -> None:
+        now = time.time_ns()
+        if self._writable and now - self._stamped >= _LIVENESS_EVERY_NS:
+            self._stamped = now
+            os.pwrite(self._fd, rf.reader_struct().pack(os.getpid(), 0, now), rf.READER_OFFSET)
+
+    def _scratch_of(self, n: int) -> np.ndarray:
+        if len(self._scratch) < n:
+            self._scratch = np.empty(max(n, min(2 * len(self._scratch), self.capacity)), np.uint8)
+        return self._scratch[:n]
+
+    def check(self) -> None:
+        """RingBroken if the file is no longer the size it was created with."""
+        st = os.fstat(self._fd)
+        if st.st_size != self.size:
+            raise RingBroken(f"{self.path}: size changed from {self.size} to {st.st_size} bytes")
+
+    # -- what the daemon asks --
+
+    def info(self) -> RingInfo:
+        head = os.pread(self._fd, rf.STATS_OFFSET + 8 * len(rf.STATS_FIELDS), 0)
+        if len(head) < rf.STATS_OFFSET + 8 * len(rf.STATS_FIELDS):
+            raise self._short(len(head), rf.STATS_OFFSET + 8 * len(rf.STATS_FIELDS), 0)
+        stats = {name: int.from_bytes(head[rf.STATS_OFFSET + 8 * i : rf.STATS_OFFSET + 8 * i + 8], "little")
+                 for i, name in enumerate(rf.STATS_FIELDS)}
+        write = int.from_bytes(head[rf.WRITE_CURSOR_OFFSET : rf.WRITE_CURSOR_OFFSET + 8], "little")
+        read = int.from_bytes(head[rf.READ_CURSOR_OFFSET : rf.READ_CURSOR_OFFSET + 8], "little")
+        return RingInfo(self.path, self.rank, self.world_size, self.capacity, self.epoch, self.writer_pid,
+                        write, read, stats)
+
+    def writer_alive(self) -> bool:
+        try:
+            os.kill(self.writer_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def replaced(self, dir_fd: int | None = None) -> bool:
+        """True once the path names another file (the writer restarted), a link, or nothing."""
+        try:
+            if dir_fd is not None:
+                st = os.stat(self.name, dir_fd=dir_fd, follow_symlinks=False)
+            else:
+                st = os.lstat(self.path)
+        except OSError:  # gone, or its directory went with it
+            return True
+        return st.st_ino != self.inode or st.st_dev != self.dev or not stat.S_ISREG(st.st_mode)
+
+    def pending_bytes(self) -> int:
+        return self.write_cursor() - self._r
+
+    def set_waiting(self, on: bool) -> None:
+        """Tell the writer we are about to block (it rings the doorbell at its next commit) or are
+        awake (it does not). See ring_format.READER_WAITING_OFFSET for the protocol."""
+        if self._writable:
+            os.pwrite(self._fd, b"\x01\0\0\0\0\0\0\0" if on else bytes(8), rf.READER_WAITING_OFFSET)
+
+    def has_new(self) -> bool:
+        """Whether the writer committed past what this reader has consumed."""
+        return self.write_cursor() != self._r
+
+    def fileno(self) -> int:
+        return self._fd
+
+    # -- records --
+
+    def poll(self, max_records: int = 1 << 30, max_bytes: int = 1 << 62) -> list[RingRecord]:
+        """Copy out committed records (up to the limits) and advance the persisted read cursor.
+
+        Records that do not fit the schema are skipped and kept in `rejections` (each with its
+        place among the records returned). RingBroken when the file changed under the reader (it
+        must not be read any more)."""
+        w = self.write_cursor()
+        self._stamp()
+        r = self._r
+        if w == r:
+            return []
+        cap = self.capacity
+        if w < r or w - r > cap or r % rf.ALIGN:
+            # Cursors a writer never makes: nothing between them can be trusted to be a record.
+            self._lose(r, w, f"write cursor {w} against read cursor {r} and capacity {cap}")
+            self._store_read_cursor(w)
+            return []
+        self.check()
+        out: list[RingRecord] = []
+        start = r
+        w_full = w
+        w -= (w - r) % rf.ALIGN  # a writer's cursor is always aligned: read up to where it could be
+        window = max(min(max_bytes, _WINDOW), rf.ALIGN)
+        win = self._scratch
+        win_lo = win_hi = r  # file bytes of cursors [win_lo, win_hi) are in `win`
+        after_large = False
+        while r < w and len(out) < max_records and r - start < max_bytes:
+            at = r % cap
+            if r + rf.RECORD_HEADER_SIZE > win_hi:  # a record header always fits before the end of the area
+                # After a large record the next is likely large too: read little, its payload goes
+                # straight into its arrays; among small records, read many at once.
+                n = min(w - r, cap - at, _PREFIX if after_large else window)
+                win = self._scratch_of(n)
+                self._pread_into(win, rf.HEADER_SIZE + at)
+                win_lo, win_hi = r, r + n
+            o = r - win_lo
+            magic, total = rf.PAD_HEADER.unpack_from(win, o)
+            if total < rf.ALIGN or total % rf.ALIGN or total > cap - at or total > w - r:
+                self._lose(r, w, f"bad record length {total}")
+                r = w
+                break
+            if magic == b"PAD\x00":
+                r += total
+                continue
+            if magic != rf.RECORD_MAGIC:
+                self._lose(r, w, f"bad record magic {bytes(magic)!r}")
+                r = w
+                break
+            try:
+                h = ring_schema.parse_header(win, o)
+                after_large = h.kind == rf.RecordKind.DATA and total >= _DIRECT
+                if after_large:
+                    out.extend(self._read_direct(at, h, win[o:win_hi - win_lo]))
+                elif r + total <= win_hi:
+                    out.extend(ring_schema.decode_record(win[o : o + total], ring=self.name, epoch=self.epoch,
+                                                         table_cache=self._table_cache, sink=self.sink))
+                else:  # larger than what is left of the window: read it whole
+                    win = self._scratch_of(total)
+                    self._pread_into(win, rf.HEADER_SIZE + at)
+                    win_lo, win_hi = r, r + total
+                    out.extend(ring_schema.decode_record(win, ring=self.name, epoch=self.epoch,
+                                                         table_cache=self._table_cache, sink=self.sink))
+            except ring_schema.Rejected as e:
+                self._reject(r, e, len(out))
+            r += total
+        if r == w and w != w_full:
+            self._lose(r, w_full, f"write cursor {w_full} is not on a record boundary")
+            r = w_full
+        self._store_read_cursor(r)
+        return out
+
+    def _read_direct(self, at: int, h: "ring_schema.Header", have: np.ndarray) -> list[RingRecord]:
+        """A large DATA record: its header, table and row arrays from `have` (what was read of it)
+        or a read of their own, each section's payload straight into one array per request (one
+        copy, not two)."""
+        prefix_len = ring_schema.data_layout(h)[4]
+        if len(have) >= prefix_len:
+            prefix = have[:prefix_len]
+        else:
+            prefix = np.empty(prefix_len, np.uint8)
+            self._pread_into(prefix, rf.HEADER_SIZE + at)
+        out: list[RingRecord] = []
+        for plan in ring_schema.plan_data(prefix, h, ring=self.name, epoch=self.epoch, table_cache=self._table_cache):
+            out.extend(self._read_plan(at, plan))
+        return out
+
+    def _read_plan(self, at: int, plan: "ring_schema.DataPlan") -> list[RingRecord]:
+        h = plan.h
+        off = rf.HEADER_SIZE + at + plan.payload_offset
+        if plan.contiguous:
+            # Each request's rows straight into their final place: a private array, or the sink's
+            # (an arena region, or this rank's columns of one when tensor parallelism slices it).
+            parts = []
+            iov: list[memoryview] = []
+            sink = self.sink
+            for i, shape in enumerate(plan.part_shapes()):
+                p = sink(plan, i) if sink is not None else None
+                if p is None:
+                    p = np.empty(shape, plan.dtype)
+                parts.append(p)
+                if p.flags.c_contiguous:
+                    iov.append(memoryview(p).cast("B"))
+                else:  # a column slice: one piece per row
+                    iov.extend(memoryview(row).cast("B") for row in p)
+            try:
+                self._preadv(iov, off, plan.payload_nbytes)
+            except OSError as e:
+                if e.errno != errno.EFAULT or sink is None:
+                    raise
+                # The sink's memory could not take the read (the daemon's arena, its tmpfs full
+                # under it): the reader's problem, not the ring's. Read it into private arrays.
+                self.sink_failures += 1
+                self._say("ring %s: the record at offset %d could not be read into its delivery arrays (%s); "
+                          "read into private memory instead", self.path, at, e.strerror)
+                parts = [np.empty(shape, plan.dtype) for shape in plan.part_shapes()]
+                self._preadv([memoryview(p).cast("B") for p in parts], off, plan.payload_nbytes)
+            return plan.records(parts=parts)
+        payload = np.empty(plan.payload_nbytes, np.uint8)
+        self._pread_into(payload, off)
+        return plan.records(payload=payload.view(plan.dtype).reshape(h.n_rows, plan.width), sink=self.sink)
+
+    def _reject(self, r: int, e: "ring_schema.Rejected", index: int) -> None:
+        self.rejected += 1
+        self.rejections.append(ring_schema.Rejection(self.name, self.epoch, r, e.why, e.request_ids, e.kind, index))
+        self._say("ring %s: record at cursor %d rejected (%s)%s", self.path, r, e.why,
+                  f"; ends request {', '.join(e.request_ids[:3])}" if e.request_ids else "")
+
+    def _lose(self, r: int, w: int, why: str) -> None:
+        self.corrupt += 1
+        self._say("ring %s corrupt at cursor %d (%s): skipping %d bytes", self.path, r, why, w - r)
+
+    def _say(self, fmt: str, *args: Any) -> None:
+        """One line per event, the first few per ring; then one count a minute, so a flood of bad
+        records cannot flood the journal."""
+        now = time.monotonic()
+        if self._logged < _LOG_FIRST:
+            self._logged += 1
+            log.error(fmt, *args)
+            return
+        self._unlogged += 1
+        if now - self._log_at >= _LOG_EVERY_S:
+            self._log_at = now
+            log.error("ring %s: %d more rejected or corrupt records (rejected %d, corrupt %d in all)",
+                      self.path, self._unlogged, self.rejected, self.corrupt)
+            self._unlogged = 0
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def read_info(path: str) -> RingInfo:
+    """Header snapshot of a ring without consuming anything (for `vllm-tap status`)."""
+    r = RingReader(path, writable=False, require_allocated=False)
+    try:
+        return r.info()
+    finally:
+        r.close()

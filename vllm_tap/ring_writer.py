@@ -1,0 +1,652 @@
+"""Single-producer / single-consumer record ring in a shared-memory file.
+
+The writer lives in a serving process and must never wait for the reader: when a record does not
+fit it is dropped, counted in the header, and reported per request through a DROP control record.
+Control records queue in the writer until there is room, in a bounded backlog (records and bytes):
+beyond it they are dropped and counted (`control_dropped`), so a stalled or absent reader never
+grows the serving process's memory. Writers reserve space, fill the payload (possibly
+asynchronously, by a device-to-host copy), then commit; commits publish in reservation order, so
+the reader only ever sees whole records.
+
+The writer must never fault the process it lives in:
+  - a ring's whole size is reserved when it is created (posix_fallocate), so a full /dev/shm is a
+    `RingSpaceError` at start-up, never a SIGBUS when a sparse page is first touched;
+  - and its pages are mapped into the writer at creation (MADV_POPULATE_WRITE, else one store per
+    page), so the step thread's first lap of the ring does not take a page fault every 4 KiB (copying
+    1 MB into fresh pages ran at ~1 GB/s against ~8 GB/s into mapped ones);
+  - before it stores, the writer checks that its file still has its size (one fstat at a step's
+    first reservation, one at its commit, one per control record). A file someone truncated is
+    abandoned: every later write is dropped and counted in the process (`lost()`), one error is
+    logged, serving goes on. What no check in Python can close is a truncation between that fstat
+    and the stores after it (microseconds; for a reservation, until its payload is filled and
+    committed, a step): only file permissions keep other processes from truncating a ring (see
+    the ring's mode and group).
+
+Ordering: the writer stores payload bytes before the cursor, and the reader loads the cursor before
+the payload. x86-64 keeps stores in order, which is where this runs; on weakly ordered CPUs the
+numpy stores below would need explicit fences.
+
+The reader (vllm_tap.ring_reader) persists its own cursor in the file; the paths, directory checks
+and errors both ends share are in vllm_tap.ring_files.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import grp
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+from typing import Any, Iterable
+
+import msgpack
+import numpy as np
+
+from vllm_tap import ring_format as rf
+from vllm_tap.doorbell import DoorbellPush, doorbell_path
+from vllm_tap.ring_records import RequestRef, RequestTable, TensorId
+from vllm_tap.ring_files import RingSpaceError, ensure_dir, free_bytes
+
+log = logging.getLogger(__name__)
+
+# Hot-path lookups (reserve runs once per captured tensor per step): item sizes by dtype code and
+# the positions of the writer statistics in the header.
+_ITEMSIZE = {int(code): rf.storage_dtype(code).itemsize for code in rf.DType}
+_RECORDS_WRITTEN = rf.STATS_FIELDS.index("records_written")
+_BYTES_WRITTEN = rf.STATS_FIELDS.index("bytes_written")
+_ROW_DTYPE = np.dtype("<i4")
+# A DATA record's step number within its header, and the two writer counters every record bumps.
+_STEP = struct.Struct("<Q")
+_STEP_OFFSET = 32
+_COUNTS = struct.Struct("<QQ")
+assert (_RECORDS_WRITTEN, _BYTES_WRITTEN) == (0, 1)
+_MAX_PREPARED = 256  # prepared record prefixes kept per writer
+
+
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.13 names it
+_PAGE_BYTES = mmap.PAGESIZE
+
+
+def _prefault(mm: mmap.mmap) -> None:
+    """Map every page of a new ring for writing now, at start-up, not on the step thread later."""
+    try:
+        mm.madvise(MADV_POPULATE_WRITE)
+        return
+    except (OSError, ValueError, AttributeError):
+        pass  # an older kernel: touch the pages (the file is fresh, all zeros)
+    a = np.frombuffer(mm, np.uint8)
+    a[::_PAGE_BYTES] = 0
+    del a
+
+
+class _Cursor:
+    """One little-endian u64 in the header. An aligned 8-byte numpy store is a single move."""
+
+    __slots__ = ("_a",)
+
+    def __init__(self, buf: np.ndarray, offset: int):
+        self._a = buf[offset : offset + 8].view("<u8")
+
+    def get(self) -> int:
+        return int(self._a[0])
+
+    def set(self, v: int) -> None:
+        self._a[0] = v
+
+
+class Reservation:
+    """Space held in the ring for one record; fill its sections' payloads, then `RingWriter.commit` it.
+
+    (A slotted class, not a dataclass: one is made per record per step.)"""
+
+    __slots__ = ("start", "end", "payload_offset", "payload_nbytes", "token_ids_offset", "record_offset", "done",
+                 "sections", "_buf")
+
+    def __init__(self, start: int, end: int, payload_offset: int, payload_nbytes: int, token_ids_offset: int,
+                 record_offset: int, buf: np.ndarray, sections: list[tuple[int, int]] | None = None):
+        self.start = start  # cursor where this reservation begins (including any PAD before the record)
+        self.end = end
+        self.payload_offset = payload_offset  # byte offset of section 0's payload within the whole file mapping
+        self.payload_nbytes = payload_nbytes  # of section 0
+        self.token_ids_offset = token_ids_offset  # byte offset of the int32 token ids within the file mapping
+        self.record_offset = record_offset  # byte offset of the record header within the file mapping
+        # (payload offset within the mapping, bytes) of each section
+        self.sections = sections if sections is not None else [(payload_offset, payload_nbytes)]
+        self.done = False
+        self._buf = buf
+
+    @property
+    def payload(self) -> np.ndarray:
+        """uint8 view of the payload bytes (of section 0)."""
+        return self._buf[self.payload_offset : self.payload_offset + self.payload_nbytes]
+
+    @property
+    def data_end(self) -> int:
+        """Offset within the mapping just past the last section's payload."""
+        at, nb = self.sections[-1]
+        return at + nb
+
+
+class RingWriter:
+    """The producer side. Thread-safe between one step thread and one publisher thread."""
+
+    def __init__(
+        self,
+        path: str,
+        capacity: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        mode: int = 0o600,
+        group: str | None = None,
+        block_timeout: float = 0.0,
+        wake_daemon: bool = True,
+        max_backlog_records: int = 1 << 15,
+        max_backlog_bytes: int = 8 << 20,
+    ):
+        if capacity < 4 * rf.ALIGN or capacity % rf.ALIGN:
+            raise ValueError(f"ring capacity must be a multiple of {rf.ALIGN} and at least {4 * rf.ALIGN}")
+        self.path = path
+        self.capacity = capacity
+        self.rank = rank
+        self.block_timeout = block_timeout
+        dirname = os.path.dirname(path)
+        ensure_dir(dirname, 0o770 if group else 0o700, group)
+        # Build the file beside its final name and rename it in: a reader never sees a half header,
+        # and a restarted writer gets a new inode that the reader can tell from the old one.
+        tmp = f"{path}.{os.getpid()}.tmp"
+        self._size = rf.HEADER_SIZE + capacity
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+        try:
+            if group is not None:
+                try:
+                    os.fchown(fd, -1, grp.getgrnam(group).gr_gid)
+                    os.fchmod(fd, mode | 0o060)
+                except PermissionError:
+                    log.warning("cannot give %s to group %s", path, group)
+            try:
+                # Every page now, not on first touch: a tmpfs that cannot back a page of a sparse
+                # mapping kills the writer with SIGBUS, and nothing can catch that.
+                os.posix_fallocate(fd, 0, self._size)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise
+                raise RingSpaceError(dirname, self._size, free_bytes(dirname)) from None
+            self._mm = mmap.mmap(fd, self._size)
+            _prefault(self._mm)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        # Kept open: one fstat before each store tells whether someone truncated the file.
+        self._fd = fd
+        self._dead = False
+        self._checked = False  # size checked since the last commit
+        self._lost = {"records": 0, "control": 0}
+        self._buf = np.frombuffer(self._mm, np.uint8)
+        self._data = self._buf[rf.HEADER_SIZE :]
+        self.epoch = time.time_ns()
+        rf.ident_struct().pack_into(
+            self._mm, rf.IDENT_OFFSET, rf.RING_MAGIC, rf.RING_FORMAT_VERSION, rf.HEADER_SIZE,
+            capacity, self.epoch, os.getpid(), rank, world_size, 0,
+        )
+        os.rename(tmp, path)
+        self._write = _Cursor(self._buf, rf.WRITE_CURSOR_OFFSET)
+        self._read = _Cursor(self._buf, rf.READ_CURSOR_OFFSET)
+        self._stats = {
+            name: _Cursor(self._buf, rf.STATS_OFFSET + 8 * i) for i, name in enumerate(rf.STATS_FIELDS)
+        }
+        self._waiting = self._buf[rf.READER_WAITING_OFFSET : rf.READER_WAITING_OFFSET + 8].view("<u8")
+        self._reserved = 0  # cursor just past the last reservation
+        self._records_written = 0  # mirrors of the header's counters (only reserve_rows bumps them)
+        self._bytes_written = 0
+        self._prepared: dict[tuple, tuple] = {}
+        self._pending: collections.deque[Reservation] = collections.deque()
+        self._lock = threading.Lock()
+        # Control records (BEGIN/END/DROP) wait here when the ring is full, in order, packed:
+        # (kind, key section, msgpack meta). Bounded by count and by bytes.
+        self._backlog: collections.deque[tuple[rf.RecordKind, bytes, bytes]] = collections.deque()
+        self._backlog_bytes = 0
+        self.max_backlog_records = max_backlog_records
+        self.max_backlog_bytes = max_backlog_bytes
+        # Rings live in <shm_dir>/<instance>/; the daemon's doorbell is in <shm_dir>.
+        self._doorbell = DoorbellPush(doorbell_path(os.path.dirname(dirname))) if wake_daemon else None
+
+    # The whole mapping, for frameworks that want to view the ring as one host tensor.
+    @property
+    def buffer(self) -> mmap.mmap:
+        return self._mm
+
+    def stats(self) -> dict[str, int]:
+        if self._dead:
+            return dict(self._stats_at_death)
+        return {k: c.get() for k, c in self._stats.items()}
+
+    def lost(self) -> dict[str, int]:
+        """What was dropped after the ring was abandoned (its header can no longer count it):
+        DATA records and control records."""
+        return dict(self._lost)
+
+    @property
+    def abandoned(self) -> bool:
+        return self._dead
+
+    def backlog_records(self) -> int:
+        return len(self._backlog)
+
+    def backlog_bytes(self) -> int:
+        return self._backlog_bytes
+
+    def _usable(self) -> bool:
+        """False once the file lost its size (callers hold the lock, or run before any store)."""
+        if self._dead or self._fd < 0:
+            return False
+        try:
+            size = os.fstat(self._fd).st_size
+        except OSError:
+            size = -1
+        if size == self._size:
+            return True
+        self._dead = True
+        # The header can be read while the file still covers it; else reading would fault too.
+        self._stats_at_death = ({k: c.get() for k, c in self._stats.items()} if size >= rf.HEADER_SIZE
+                                else {k: 0 for k in rf.STATS_FIELDS})
+        self._lost["control"] += len(self._backlog)
+        self._backlog.clear()
+        self._backlog_bytes = 0
+        self._pending.clear()
+        log.error("vllm-tap: ring %s changed size under its writer (%d bytes, expected %d): it is abandoned, "
+                  "captures through it are dropped from now on; restart vLLM to get a new ring "
+                  "(and check who can write to %s)", self.path, size, self._size, os.path.dirname(self.path))
+        return False
+
+    def _bump(self, name: str, by: int = 1) -> None:
+        c = self._stats[name]
+        c.set(c.get() + by)
+
+    # -- space management (callers hold the lock) --
+
+    def _try_reserve(self, total: int) -> tuple[int, int] | None:
+        """Returns (reservation start, record start cursor) or None when it does not fit now."""
+        cap = self.capacity
+        if total > cap:
+            return None
+        w = self._reserved
+        tail = cap - (w % cap)
+        need = total if total <= tail else tail + total
+        if need > cap - (w - self._read.get()):
+            return None
+        start = w
+        if total > tail:
+            rf.PAD_HEADER.pack_into(self._data, w % cap, b"PAD\x00", tail)
+            w += tail
+        self._reserved = w + total
+        return start, w
+
+    def _reserve_data(self, total: int) -> tuple[int, int] | None:
+        """Room for a DATA record, behind every queued control record: one that stays queued (a
+        DROP of an earlier step) is never overtaken, because the reader takes a position missing
+        below data it has read as never computed; read after that data, the DROP would come too
+        late and its positions would be reported "not captured" instead of "dropped"."""
+        if self._backlog and not self._flush_backlog():
+            return None
+        return self._try_reserve(total)
+
+    def _reserve_blocking(self, total: int) -> tuple[int, int] | None:
+        got = self._reserve_data(total)
+        if got is not None or self.block_timeout <= 0 or total > self.capacity:
+            return got
+        deadline = time.monotonic() + self.block_timeout
+        while time.monotonic() < deadline:
+            self._lock.release()
+            try:
+                time.sleep(0.0002)
+            finally:
+                self._lock.acquire()
+            got = self._reserve_data(total)
+            if got is not None:
+                return got
+        return None
+
+    def _push(self, start: int, end: int, payload_off: int, nbytes: int, ids_off: int = 0,
+              record_off: int = 0) -> Reservation:
+        h = rf.HEADER_SIZE
+        res = Reservation(start, end, h + payload_off, nbytes, h + ids_off, h + record_off, self._buf)
+        self._pending.append(res)
+        return res
+
+    def _publish(self) -> None:
+        pending = self._pending
+        end = -1
+        while pending and pending[0].done:
+            end = pending.popleft().end
+        if end >= 0:  # one cursor store for all of them: what was done before it is published with it
+            self._write.set(end)
+            self._stats["last_write_ns"].set(time.time_ns())
+
+    def _encode_header(
+        self, at: int, total: int, kind: rf.RecordKind, key: bytes, meta: bytes, n_rows: int,
+        payload_off: int, *, tensor: TensorId | None = None, dtype: int = 0, step: int = 0,
+        n_requests: int = 0, slice_: tuple[int, int] = (0, 0), full_dim: int = 0,
+    ) -> None:
+        rank16 = rf.ENGINE_RANK_U16 if self.rank == rf.ENGINE_RANK else self.rank
+        rf.RECORD_HEADER.pack_into(
+            self._data, at, rf.RECORD_MAGIC, total, kind, tensor.kind if tensor else 0, dtype, 0,
+            tensor.layer if tensor else -1, rank16, n_rows, n_requests, len(key), 0, len(meta), step,
+            slice_[0], slice_[1], full_dim, payload_off,
+        )
+        # Byte strings go in through the mapping itself: a slice store, no numpy wrapper per call.
+        base = rf.HEADER_SIZE + at + rf.RECORD_HEADER_SIZE
+        if key:
+            self._mm[base : base + len(key)] = key
+        if meta:
+            self._mm[base + len(key) : base + len(key) + len(meta)] = meta
+
+    # -- control records --
+
+    def _write_control_now(self, kind: rf.RecordKind, key: bytes, mb: bytes) -> bool:
+        *_, payload_off = rf.body_layout(len(key), len(mb), 0)
+        total = rf.align_up(payload_off)
+        got = self._try_reserve(total)
+        if got is None:
+            return False
+        start, at = got
+        self._encode_header(at % self.capacity, total, kind, key, mb, 0, payload_off)
+        res = self._push(start, at + total, 0, 0)
+        res.done = True
+        return True
+
+    def _flush_backlog(self) -> bool:
+        backlog = self._backlog
+        while backlog:
+            entry = backlog[0]
+            if not self._write_control_now(*entry):
+                self._stats["control_backlog"].set(len(backlog))
+                self._publish()
+                return False
+            backlog.popleft()
+            self._backlog_bytes -= len(entry[1]) + len(entry[2])
+        self._stats["control_backlog"].set(0)
+        self._publish()
+        return True
+
+    def _enqueue(self, kind: rf.RecordKind, request_id: str, tap_key: str, meta: Any) -> bool:
+        """Queue one control record behind the others; False (dropped and counted) when the
+        backlog is at its bound. Callers hold the lock."""
+        if len(self._backlog) >= self.max_backlog_records:
+            self._bump("control_dropped")
+            return False
+        key = request_id.encode() + rf.KEY_SEPARATOR + tap_key.encode()
+        mb = msgpack.packb(meta, use_bin_type=True)
+        size = len(key) + len(mb)
+        if self._backlog and self._backlog_bytes + size > self.max_backlog_bytes:
+            self._bump("control_dropped")
+            return False
+        if rf.align_up(rf.body_layout(len(key), len(mb), 0)[-1]) > self.capacity:
+            # It would never fit, and would hold back every control record queued after it.
+            self._bump("control_dropped")
+            log.warning("vllm-tap: a %s record of %d bytes for %s does not fit ring %s at all: dropped",
+                        kind.name, size, request_id, self.path)
+            return False
+        self._backlog.append((kind, key, mb))
+        self._backlog_bytes += size
+        return True
+
+    def write_control(self, kind: rf.RecordKind, request_id: str, meta: dict[str, Any], tap_key: str = "") -> bool:
+        """Queue a BEGIN/END/DROP record; it is written now if there is room, else on a later call.
+        False when it was dropped: the backlog was full (counted) or the ring abandoned."""
+        with self._lock:
+            if not self._usable():
+                self._lost["control"] += 1
+                return False
+            queued = self._enqueue(kind, request_id, tap_key, meta)
+            self._flush_backlog()
+        self._wake()
+        return queued
+
+    def write_control_if_room(self, kind: rf.RecordKind, request_id: str, meta: dict[str, Any], tap_key: str = "") -> bool:
+        """Write a control record now or not at all (periodic records like LIVE, which the next
+        one supersedes): never queued, and never ahead of records still queued."""
+        with self._lock:
+            if not self._usable() or not self._flush_backlog():
+                return False
+            key = request_id.encode() + rf.KEY_SEPARATOR + tap_key.encode()
+            ok = self._write_control_now(kind, key, msgpack.packb(meta, use_bin_type=True))
+            if ok:
+                self._publish()
+        if ok:
+            self._wake()
+        return ok
+
+    def flush(self) -> bool:
+        """Retry queued control records; True when none are left waiting."""
+        if not self._backlog:
+            return True
+        with self._lock:
+            done = self._usable() and self._flush_backlog()
+            if not self._backlog:
+                done = True
+        self._wake()
+        return done
+
+    @property
+    def reader_waiting(self) -> bool:
+        """Whether the reader said it is about to block (and has not woken since)."""
+        return bool(self._waiting[0])
+
+    def _wake(self) -> None:
+        # Called after the lock that published the cursor was released: that release is the barrier
+        # between the cursor store and this load (ring_format.READER_WAITING_OFFSET).
+        if self._doorbell is not None and self._waiting[0]:
+            self._waiting[0] = 0  # one ring per sleep; the reader sets it again before it next blocks
+            self._doorbell.ring()
+
+    # -- data records --
+
+    def reserve(
+        self, request_id: str, tensor: TensorId, positions: Iterable[int] | np.ndarray,
+        token_ids: Iterable[int] | np.ndarray | None, *, dtype: int, width: int, step: int = 0,
+        tap_key: str = "", slice_: tuple[int, int] | None = None, full_dim: int | None = None,
+        num_prompt_tokens: int = 0, expected_ranks: int = 1, rank_parts: int = 1,
+    ) -> Reservation | None:
+        """Hold room for one request's [len(positions), width] slice; None (and counted as dropped) if full.
+
+        token_ids=None leaves them for the caller to fill before commit (at token_ids_offset),
+        e.g. by a device copy when the ids only exist on the accelerator.
+        """
+        part = (tensor, dtype, width, slice_ if slice_ is not None else (0, width),
+                full_dim if full_dim is not None else width)
+        return self.reserve_many(request_id, positions, token_ids, [part], step=step, tap_key=tap_key,
+                                 num_prompt_tokens=num_prompt_tokens, expected_ranks=expected_ranks,
+                                 rank_parts=rank_parts)[0]
+
+    def reserve_many(
+        self, request_id: str, positions: Iterable[int] | np.ndarray, token_ids: Iterable[int] | np.ndarray | None,
+        parts: list[tuple[TensorId, int, int, tuple[int, int], int]], *, step: int = 0, tap_key: str = "",
+        num_prompt_tokens: int = 0, expected_ranks: int = 1, rank_parts: int | None = None,
+    ) -> list[Reservation | None]:
+        """`reserve` for several tensors at the same positions of one request, in order.
+
+        parts: (tensor, dtype code, width, (slice start, stop), full_dim) per record; rank_parts
+        defaults to len(parts).
+        """
+        pos = np.ascontiguousarray(positions, dtype="<i4")
+        table = RequestTable([RequestRef(request_id, tap_key, num_prompt_tokens, expected_ranks,
+                                         len(parts) if rank_parts is None else rank_parts)])
+        rows = np.zeros((3, len(pos)), "<i4")
+        rows[1] = pos
+        if token_ids is not None:
+            rows[2] = np.asarray(token_ids)
+        return [self.reserve_rows(table, rows, tensor, dtype=dtype, width=width, slice_=slice_,
+                                  full_dim=full_dim, step=step)
+                for tensor, dtype, width, slice_, full_dim in parts]
+
+    def reserve_rows(
+        self, table: RequestTable, rows: np.ndarray, tensor: TensorId, *, dtype: int, width: int,
+        slice_: tuple[int, int] | None = None, full_dim: int | None = None, step: int = 0,
+    ) -> Reservation | None:
+        """Hold room for one step's rows of one tensor: `reserve_sections` with one section."""
+        return self.reserve_sections(
+            table, rows, ((tensor, dtype, width, slice_ if slice_ is not None else (0, width),
+                           full_dim if full_dim is not None else width),), step=step)
+
+    def reserve_sections(self, table: RequestTable, rows: np.ndarray, sections: tuple, *, step: int = 0
+                         ) -> Reservation | None:
+        """Hold room for one step's rows of one or more tensors, for the requests of `table`.
+
+        rows: C-contiguous int32 [3, n]: per row its table entry (slot), its position and its token
+        id; the ids may be left for the caller to fill before commit (at token_ids_offset), e.g. by a
+        device copy when they only exist on the accelerator. A request's rows must be in position
+        order among themselves. sections: a tuple of (tensor id, dtype code, width, (slice start,
+        stop), full dim), each a payload [n, width] of the same rows, in this order.
+        None when it does not fit: counted as dropped and reported by one DROP record per request
+        and section that had rows in it.
+        """
+        if rows.dtype != _ROW_DTYPE or rows.ndim != 2 or rows.shape[0] != 3 or not rows.flags.c_contiguous:
+            raise ValueError("rows must be a C-contiguous int32 array of shape [3, n]")
+        n = rows.shape[1]
+        meta = table.blob
+        # The record's header, request table and section table are the same from step to step
+        # while the batch is (only the step number differs): packed once, stored with one slice store.
+        key = (meta, n, sections)
+        prep = self._prepared.get(key)
+        if prep is None:
+            prep = self._prepare(key, len(table))
+        prefix, slots_off, ids_off, sec_table, sec_off, offsets, nbytes, total = prep
+        with self._lock:
+            # Checked at the first reservation after a commit (a step's first record) and at the
+            # commit: one fstat each, not one per record.
+            if self._dead or (not self._checked and not self._usable()):
+                self._lost["records"] += 1
+                return None
+            self._checked = True
+            got = self._reserve_blocking(total)
+            if got is None:
+                for sec in sections:
+                    self._drop(table, rows[0], rows[1], sec[0], total)
+                self._checked = False  # no commit may follow: check again at the next record
+                return None
+            start, at = got
+            rel = at % self.capacity
+            mm = self._mm
+            base = rf.HEADER_SIZE + rel
+            mm[base : base + slots_off] = prefix
+            _STEP.pack_into(mm, base + _STEP_OFFSET, step)
+            if sec_table:
+                mm[base + slots_off : base + slots_off + 8 * n] = rows[:2]
+                mm[base + sec_off : base + sec_off + len(sec_table)] = sec_table
+                mm[base + ids_off : base + ids_off + 4 * n] = rows[2]
+            else:  # slots, positions and ids lie together: one store
+                mm[base + slots_off : base + slots_off + 12 * n] = rows
+            self._records_written += 1
+            self._bytes_written += total
+            _COUNTS.pack_into(mm, rf.STATS_OFFSET, self._records_written, self._bytes_written)
+            res = self._push(start, at + total, rel + offsets[0], nbytes[0], rel + ids_off, rel)
+            if sec_table:
+                res.sections = [(base + o, nb) for o, nb in zip(offsets, nbytes)]
+            return res
+
+    def _prepare(self, key: tuple, n_requests: int) -> tuple:
+        """A DATA record's prefix (header with step 0, request table, padding), its section table and
+        its offsets."""
+        meta, n, sections = key
+        if n_requests > rf.MAX_REQUESTS_PER_RECORD:
+            raise ValueError(f"a record holds at most {rf.MAX_REQUESTS_PER_RECORD} requests")
+        if not 1 <= len(sections) <= rf.MAX_SECTIONS:
+            raise ValueError(f"a record holds 1..{rf.MAX_SECTIONS} sections")
+        k = len(sections)
+        nbytes = []
+        for sec in sections:  # (tensor, dtype code, width, slice, full dim[, anything the caller keeps])
+            dtype, width = sec[1], sec[2]
+            itemsize = _ITEMSIZE.get(dtype) or rf.storage_dtype(dtype).itemsize  # the latter raises on a bad code
+            nbytes.append(n * width * itemsize)
+        _, slots_off, pos_off, ids_off, payload_off = rf.body_layout(0, len(meta), n, k)
+        offsets, total = rf.section_offsets(payload_off, nbytes)
+        rank16 = rf.ENGINE_RANK_U16 if self.rank == rf.ENGINE_RANK else self.rank
+        tensor, dtype, width, sl, full_dim = sections[0][:5]
+        head = rf.RECORD_HEADER.pack(
+            rf.RECORD_MAGIC, total, rf.RecordKind.DATA, tensor.kind, dtype, 0, tensor.layer, rank16, n, n_requests,
+            0, k if k > 1 else 0, len(meta), 0, sl[0], sl[1], full_dim, payload_off)
+        prefix = head.ljust(rf.RECORD_HEADER_SIZE, b"\0") + meta
+        prefix = prefix.ljust(slots_off, b"\0")
+        sec_off = pos_off + 4 * n
+        sec_table = b"".join(rf.SECTION.pack(sec[0].kind, sec[1], sec[0].layer, 0, *sec[3], sec[4], o)
+                             for sec, o in zip(sections, offsets)) if k > 1 else b""
+        if len(self._prepared) >= _MAX_PREPARED:  # batches come and go: keep the recent ones
+            self._prepared.clear()
+        prep = self._prepared[key] = (prefix, slots_off, ids_off, sec_table, sec_off, offsets, nbytes, total)
+        return prep
+
+    def drop_rows(self, table: RequestTable, rows: np.ndarray, tensor: TensorId, nbytes: int) -> None:
+        """A record the caller could not write (its own buffers were full): counted with the ring's
+        drops and reported like them, by one DROP record per request in it."""
+        with self._lock:
+            if not self._usable():
+                self._lost["records"] += 1
+                return
+            self._drop(table, rows[0], rows[1], tensor, nbytes)
+            self._flush_backlog()
+        self._wake()
+
+    def _drop(self, table: RequestTable, slots: np.ndarray, positions: np.ndarray, tensor: TensorId, total: int) -> None:
+        self._bump("records_dropped")
+        self._bump("bytes_dropped", total)
+        slots = np.asarray(slots)
+        positions = np.asarray(positions)
+        for slot in np.unique(slots).tolist():
+            ref = table.refs[slot]
+            self._enqueue(rf.RecordKind.DROP, ref.request_id, ref.tap_key,
+                          {"tensor": int(tensor.kind), "layer": tensor.layer, "positions": positions[slots == slot].tolist()})
+        self._stats["control_backlog"].set(len(self._backlog))
+
+    def commit(self, res: Reservation) -> None:
+        self.commit_many((res,))
+
+    def commit_many(self, reservations: Iterable[Reservation]) -> None:
+        """Commit several reservations at once (one lock, one publish): a step's records."""
+        with self._lock:
+            self._checked = False
+            if not self._usable():
+                return  # their payloads were written before the check: nothing more to store
+            for res in reservations:
+                res.done = True
+            self._publish()
+        self._wake()
+
+    def write(self, request_id: str, tensor: TensorId, positions, token_ids, data: np.ndarray, **kw) -> bool:
+        """Reserve, copy `data` ([n, width]) in, commit. False when the record was dropped."""
+        data = np.ascontiguousarray(data)
+        if data.ndim != 2 or data.shape[0] != len(positions):
+            raise ValueError(f"data must be [n_positions, width], got {data.shape}")
+        if "dtype" not in kw:  # not setdefault: bf16 arrives as uint16, which has no code of its own
+            kw["dtype"] = rf.dtype_code(data.dtype)
+        res = self.reserve(request_id, tensor, positions, token_ids, width=data.shape[1], **kw)
+        if res is None:
+            return False
+        res.payload[:] = data.reshape(-1).view(np.uint8)
+        self.commit(res)
+        return True
+
+    def close(self, unlink: bool = False) -> None:
+        if self._doorbell is not None:
+            self._doorbell.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._buf = self._data = self._waiting = None  # type: ignore[assignment]
+        self._write = self._read = None  # type: ignore[assignment]
+        self._stats = {}
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a framework still holds a view; the mapping goes when it does
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
