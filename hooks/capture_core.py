@@ -57,6 +57,7 @@ import torch
 
 from vllm_tap import ring_format as rf
 from vllm_tap.hooks import guard
+from vllm_tap.hooks.admission import DEFAULT_SHED_AT, Admission
 from vllm_tap.hooks.cost import StepCost
 from vllm_tap.hooks.publisher import STORAGE, DeviceIndices, Publisher, gather_rows, report_drop
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
@@ -429,15 +430,16 @@ class CaptureCore:
 
     def __init__(self, writer: RingWriter, place: RankPlace, publisher: Publisher, *,
                  model_dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-                 max_record_bytes: int | None = None):
+                 max_record_bytes: int | None = None, shed_at: float = DEFAULT_SHED_AT):
         self.writer = writer
+        self.admission = Admission(writer, shed_at)
         self.place = place
         self.publisher = publisher
         self.model_dtype = model_dtype
         self.device = torch.device(device)
         # Row indices for gathers on the device, uploaded once per distinct batch layout.
         self.to_device = DeviceIndices(self.device) if self.device.type != "cpu" else torch.from_numpy
-        self.cost = StepCost(drops=self.records_dropped,
+        self.cost = StepCost(drops=self.records_dropped, shed=lambda: self.admission.shed,
                              thread=lambda: (getattr(publisher, "thread_ns", 0), getattr(publisher, "thread_wakes", 0)))
         self.tp_rank, self.tp_size = place.tp_rank, place.tp_size
         self.is_last_stage = place.is_last_stage
@@ -462,10 +464,14 @@ class CaptureCore:
     # -- requests --
 
     def learn(self, rid: str, extra_args: dict | None, num_prompt: int) -> None:
-        """A request the runner admitted (again, after a preemption): work out what it captures."""
+        """A request the runner admitted (again, after a preemption): work out what it captures, and
+        whether this worker takes the capture on (hooks/admission.py)."""
         req = self._request(rid, extra_args, num_prompt)
         if req is None:
             self.forget(rid)  # a re-used id that captured before does not now
+        elif req.parts and not self.admission.admit(rid, req.spec, num_prompt):
+            self.forget(rid)
+            self.cost.poll()  # shedding may go on with no capturing step to carry the log line
         else:
             self.requests[rid] = req
             self._version += 1
