@@ -3,7 +3,7 @@
 When the daemon falls behind, the worker's ring fills; records that do not fit are dropped, and
 every capture in flight loses rows. Shedding whole captures instead keeps the ones already taken
 on complete: a capture the worker learns while its ring holds more than `shed_at` (a share of the
-ring, half by default) that the daemon has not read yet is not admitted. The worker writes one SHED
+ring, half by default; the server setting vllm_tap.shed_at) that the daemon has not read yet is not admitted. The worker writes one SHED
 record for it (reason `overloaded`, the spec and prompt length, counted in the ring header's
 `captures_shed`) and no DATA; the daemon delivers it as one Gap over its expected positions.
 Captures admitted earlier keep writing: shedding stops new work, never work under way.
@@ -34,11 +34,10 @@ import logging
 
 from vllm_tap import ring_format as rf
 from vllm_tap.ring import RingWriter
-from vllm_tap.spec import CaptureSpec
+from vllm_tap.spec import DEFAULT_SHED_AT, CaptureSpec
 
 log = logging.getLogger("vllm_tap.hooks")
 
-DEFAULT_SHED_AT = 0.5  # share of the ring unread above which new captures are shed
 MEMORY = 1 << 16  # request ids whose decision is kept
 
 

@@ -57,13 +57,13 @@ import torch
 
 from vllm_tap import ring_format as rf
 from vllm_tap.hooks import guard
-from vllm_tap.hooks.admission import DEFAULT_SHED_AT, Admission
+from vllm_tap.hooks.admission import Admission
 from vllm_tap.hooks.cost import StepCost
 from vllm_tap.hooks.publisher import STORAGE, DeviceIndices, Publisher, gather_rows, report_drop
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
 from vllm_tap.records import RequestRef, RequestTable, TensorId
 from vllm_tap.ring import RingWriter
-from vllm_tap.spec import CaptureSpec, DTypeMode, LogitsMode
+from vllm_tap.spec import DEFAULT_SHED_AT, CaptureSpec, DTypeMode, LogitsMode
 
 log = logging.getLogger("vllm_tap.hooks")
 

@@ -89,7 +89,8 @@ def setup(runner, *, v2: bool) -> CaptureCore | None:
     except Exception as e:  # noqa: BLE001
         writer.close(unlink=True)
         raise TapConfigError(f"vllm-tap: cannot set up copies into the ring: {e}".replace("\n", " ")) from None
-    core = CaptureCore(writer, place, publisher, model_dtype=getattr(vc.model_config, "dtype", None), device=device)
+    core = CaptureCore(writer, place, publisher, model_dtype=getattr(vc.model_config, "dtype", None), device=device,
+                       shed_at=cfg.shed_at)
     if cfg.layers:
         # Each pipeline stage emits only the layers it computes. The runner unpacks aux outputs on
         # the last stage once the flag is set; earlier stages return theirs inside
