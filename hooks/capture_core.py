@@ -40,6 +40,8 @@ Rules kept here (performance and correctness):
   only its 1/tp share of the last dimension (no collective). Top-k and chosen indices need whole
   rows: TP rank 0 writes them. The extra lm-head pass is a collective, so every TP rank of the last
   stage runs it identically (the plan is the same on every rank).
+- A capture is admitted or shed once, when its request is learned (hooks/admission.py: one read of
+  two ring cursors); a shed request is not kept, so it costs nothing per step.
 - A request's malformed spec means no capture for it (one logged error), never an exception.
 - A request's rows are positions [computed, computed + scheduled) cut to its live range; rows at or
   past its end (async scheduling computes a finished request once more) are written like any other:
