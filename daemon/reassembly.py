@@ -533,7 +533,8 @@ class Reassembler:
         end = ring_schema.control_record(rf.RecordKind.END, c.request_id, c.end, tap_key=c.tap_key) \
             if c.end is not None else None
         req = _Request(c.request_id, c.tap_key, c.num_prompt_tokens, c.lazy, source=c.source, inherited=True,
-                       hold=c.hold, tail=c.tail, max_seen=c.max_seen, sources=set(c.sources), cut=c.cut)
+                       hold=c.hold, tail=c.tail, max_seen=c.max_seen, sources=set(c.sources), cut=c.cut,
+                       shed=c.shed)
         if begin is not None:
             self._apply_begin(req, begin)
         if c.spec is not None and req.spec is None:
@@ -566,6 +567,9 @@ class Reassembler:
                 dtype=sl.dtype, slice_start=sl.slice_start, slice_stop=sl.slice_stop, full_dim=sl.full_dim,
                 num_prompt_tokens=sl.num_prompt_tokens, positions=sl.positions.array(), token_ids=sl.token_ids.array(),
                 data=sl.data.array(), ring=sl.ring, epoch=sl.epoch, source=req.source), now, out)
+        if req.shed is not None and req.end is not None:
+            self._finish(req, now, out, req.shed)
+            return
         self._pump(req, now, out)
 
     # -- record kinds --
@@ -1069,7 +1073,7 @@ def _export(req: _Request) -> ho.Capture:
         req.request_id, req.tap_key, req.num_prompt_tokens, req.lazy, req.source, _meta(req.begin, req.spec),
         _meta(req.end, req.spec),
         req.spec.to_meta() if req.spec is not None else None, req.tail, req.start, req.frontier, req.stop, req.max_seen,
-        sorted(req.sources), req.cut, req.hold, chunks, slices)
+        sorted(req.sources), req.cut, req.hold, chunks, slices, req.shed)
 
 
 def _top(positions: np.ndarray) -> int:

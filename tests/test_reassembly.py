@@ -635,3 +635,19 @@ def test_a_shed_capture_whose_end_never_comes_still_ends_as_overloaded():
     e = the_end(ev)
     assert e.reason == END_LOST and not e.complete
     assert {reason for _, reason in gaps(ev)} <= {OVERLOADED}
+
+
+def test_a_shed_capture_handed_over_to_the_next_daemon_still_ends_as_one_overloaded_gap():
+    """A graceful stop after the SHED was read and before the END: the next daemon never reads that
+    SHED again (the ring cursor moved past it), so the handover carries it."""
+    import msgspec
+
+    from vllm_tap.daemon import handover as ho
+
+    first = plain()
+    feed(first, begin(), shed(rank=0))
+    blob = msgspec.msgpack.encode(first.export_state())
+    second = plain()
+    ev = second.restore(msgspec.msgpack.decode(blob, type=list[ho.Capture]), 1.0)
+    ev += feed(second, end(5), now=1.0)
+    _one_overloaded_gap(ev, 5)
