@@ -605,6 +605,15 @@ class Reassembler:
             return None
         return self._new_request(r, now, out, lazy=True)
 
+    def _arrived(self, r: RingRecord, now: float, out: list[Event]) -> _Request | None:
+        """The capture a worker's record (DATA, DROP, SHED) is about, made if new and noted active;
+        None when it already finished."""
+        req = self._lazy(r, now, out)
+        if req is not None:
+            self._touch(req, now)
+            req.sources.add(r.ring)
+        return req
+
     def _set_start(self, req: _Request, start: int) -> None:
         req.start = start
         if req.frontier is None:
@@ -672,11 +681,9 @@ class Reassembler:
             self.stats["bad_records"] += 1
             log.warning("request %s: malformed DATA record from %s ignored", r.request_id, r.ring)
             return
-        req = self._lazy(r, now, out)
+        req = self._arrived(r, now, out)
         if req is None:
             return
-        self._touch(req, now)
-        req.sources.add(r.ring)
         if req.shed is not None:
             self.stats["shed_records"] += 1  # another rank admitted what one rank shed
             return
@@ -714,12 +721,8 @@ class Reassembler:
             self._pump(req, now, out)
 
     def _on_drop(self, r: RingRecord, now: float, out: list[Event]) -> None:
-        req = self._lazy(r, now, out)
-        if req is None:
-            return
-        self._touch(req, now)
-        req.sources.add(r.ring)
-        if req.shed is not None:
+        req = self._arrived(r, now, out)
+        if req is None or req.shed is not None:
             return
         positions = r.control.positions if r.control is not None else r.meta.get("positions", [])
         dropped = np.asarray(positions, np.int64)
@@ -774,13 +777,9 @@ class Reassembler:
         self._pump(req, now, out)
 
     def _on_shed(self, r: RingRecord, now: float, out: list[Event]) -> None:
-        req = self._lazy(r, now, out)
-        if req is None:
-            return
-        self._touch(req, now)
-        req.sources.add(r.ring)
-        if req.shed is not None:
-            return  # another rank shed it too
+        req = self._arrived(r, now, out)
+        if req is None or req.shed is not None:
+            return  # finished, or another rank shed it too
         if not req.num_prompt_tokens:
             req.num_prompt_tokens = r.num_prompt_tokens
         if req.spec is None and r.spec is not None:
