@@ -50,22 +50,31 @@ def _wait(cond, what: str, timeout: float = 30.0) -> None:
 
 
 class _Worker:
-    """The engine ring (BEGIN/END as the engine-core hook writes them) and one worker (CaptureCore +
-    StagedPublisher into its ring) stepping a batch: prompts in one prefill chunk, then one position
-    per decode step."""
+    """The engine ring (BEGIN/END as the engine-core hook writes them) and the workers of one engine
+    (a CaptureCore + StagedPublisher into its ring per tensor-parallel rank, each with its shed_at)
+    stepping a batch: prompts in one prefill chunk, then one position per decode step."""
 
-    def __init__(self, shm_dir: str):
+    def __init__(self, shm_dir: str, shed_at: tuple[float, ...] = (0.5,)):
         self.engine = RingWriter(ring_path(shm_dir, "default", rf.ENGINE_RANK), 4 << 20, rank=rf.ENGINE_RANK)
-        self.writer = RingWriter(ring_path(shm_dir, "default", 0), RING_BYTES, rank=0)
-        self.publisher = StagedPublisher(self.writer, HostBackend(), staging_bytes(RING_BYTES))
-        self.core = CaptureCore(self.writer, RankPlace(stage_layers=(LAYERS,)), self.publisher,
-                                model_dtype=torch.float32)
+        tp = len(shed_at)
+        self.writers = [RingWriter(ring_path(shm_dir, "default", i), RING_BYTES, rank=i, world_size=tp)
+                        for i in range(tp)]
+        self.writer = self.writers[0]
+        self.cores = [CaptureCore(w, RankPlace(i, tp, stage_layers=(LAYERS,)),
+                                  StagedPublisher(w, HostBackend(), staging_bytes(RING_BYTES)),
+                                  model_dtype=torch.float32, shed_at=at)
+                      for i, (w, at) in enumerate(zip(self.writers, shed_at))]
+        self.core = self.cores[0]
         self.weight = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(1))
         self.gen = torch.Generator().manual_seed(2)
         self.running: list[dict] = []
 
+    def unread(self) -> int:
+        return max(_unread(w) for w in self.writers)
+
     def begin(self, rid: str, gen_len: int) -> None:
-        self.core.learn(rid, {SPEC_EXTRA_ARG: SPEC.to_meta()}, PROMPT)
+        for core in self.cores:
+            core.learn(rid, {SPEC_EXTRA_ARG: SPEC.to_meta()}, PROMPT)
         self.engine.write_control(rf.RecordKind.BEGIN, rid, {
             "spec": SPEC.to_meta(), "source": SPEC.source, "num_prompt_tokens": PROMPT,
             "prompt_token_ids": list(range(PROMPT)), "n": 1, "model": "m"})
@@ -81,16 +90,18 @@ class _Worker:
                         computed=np.array([r["done"] for r in self.running], np.int32),
                         token_ids=torch.randint(0, VOCAB, (n_rows,), dtype=torch.int32, generator=self.gen),
                         hidden=hidden, aux=aux, logits=None, compute_logits=lambda h: h @ self.weight.T)
-        step = self.core.begin(view)
-        if step is not None:
-            step.write_states()
-            step.write_logits(hidden[qsl[1:] - 1] @ self.weight.T)
-            self.core.end(step)
-        self.publisher.drain()
+        for core in self.cores:  # every rank sees the same batch and shards it
+            step = core.begin(view)
+            if step is not None:
+                step.write_states()
+                step.write_logits(hidden[qsl[1:] - 1] @ self.weight.T)
+                core.end(step)
+            core.publisher.drain()
         for r, n in zip(self.running, scheduled):
             r["done"] += n
         for r in [r for r in self.running if r["done"] >= PROMPT + r["gen"] - 1]:
-            self.core.forget(r["id"])
+            for core in self.cores:
+                core.forget(r["id"])
             self.engine.write_control(rf.RecordKind.END, r["id"], {
                 "reason": "length", "num_prompt_tokens": PROMPT, "num_output_tokens": r["gen"],
                 "output_token_ids": list(range(r["gen"])), "end_position": PROMPT + r["gen"] - 1,
@@ -98,9 +109,19 @@ class _Worker:
             self.running.remove(r)
 
     def close(self) -> None:
-        self.core.close()
+        for core, w in zip(self.cores, self.writers):
+            core.close()
+            w.close(unlink=True)
         self.engine.close(unlink=True)
-        self.writer.close(unlink=True)
+
+
+def _one_overloaded_gap(client, rid: str, stop: int) -> None:
+    items = list(client.subscribe(rid, timeout=30).chunks())
+    assert [(type(i).__name__, getattr(i, "positions", None), getattr(i, "reason", None)) for i in items] == \
+        [("Gap", range(0, stop), "overloaded")], (rid, items)
+    cap = client.fetch(rid, timeout=30)
+    assert not cap.complete and cap.missing_positions.ranges == [(0, stop)], rid
+    assert len(cap.positions) == 0
 
 
 def test_captures_learned_while_the_ring_is_over_half_full_are_shed_whole_and_admission_resumes(
@@ -119,6 +140,7 @@ def test_captures_learned_while_the_ring_is_over_half_full_are_shed_whole_and_ad
         os.kill(d.proc.pid, signal.SIGSTOP)  # the daemon falls behind
         try:
             while _unread(w.writer) < RING_BYTES * 0.6:
+                assert w.running, "the early captures must fill the ring"
                 w.step()
             for rid in shed:
                 w.begin(rid, gen_len=4)
@@ -138,12 +160,7 @@ def test_captures_learned_while_the_ring_is_over_half_full_are_shed_whole_and_ad
             cap = client.fetch(rid, timeout=30)
             assert cap.complete, (rid, cap.missing_positions.ranges)
         for rid in shed:
-            items = list(client.subscribe(rid, timeout=30).chunks())
-            assert [(type(i).__name__, getattr(i, "positions", None), getattr(i, "reason", None)) for i in items] == \
-                [("Gap", range(0, PROMPT + 4 - 1), "overloaded")], (rid, items)
-            cap = client.fetch(rid, timeout=30)
-            assert not cap.complete and cap.missing_positions.ranges == [(0, PROMPT + 4 - 1)], rid
-            assert len(cap.positions) == 0
+            _one_overloaded_gap(client, rid, PROMPT + 4 - 1)
         st = d.status()
         ring = next(r for r in st["rings"] if r["rank"] == 0)
         assert ring["writer"]["captures_shed"] == 3
@@ -153,5 +170,44 @@ def test_captures_learned_while_the_ring_is_over_half_full_are_shed_whole_and_ad
         with caplog.at_level(logging.INFO, logger="vllm_tap.hooks"):
             w.core.cost.report()
         assert "3 captures shed" in caplog.text, caplog.text
+    finally:
+        w.close()
+
+
+def test_a_capture_one_tensor_parallel_rank_sheds_and_another_admits_is_one_overloaded_gap(daemon_factory, shm_dir):
+    """Ranks decide from their own rings and may disagree: here rank 0 sheds only when its ring is
+    full, rank 1 at half. A capture learned while both are over half unread is admitted by rank 0,
+    which writes its slices, and shed by rank 1: the daemon delivers one Gap `overloaded`, not a
+    run of `incomplete` positions, and the captures both ranks admitted are complete."""
+    d = daemon_factory(end_grace_s=1.0)
+    w = _Worker(shm_dir, shed_at=(1.0, 0.5))
+    try:
+        early = [f"early-{i}" for i in range(8)]
+        for rid in early:
+            w.begin(rid, gen_len=100)
+        w.step()
+        _wait(lambda: w.unread() == 0, "the daemon to read the first step")
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            while w.unread() < RING_BYTES * 0.6:
+                assert w.running, "the early captures must fill the rings"
+                w.step()
+            w.begin("split", gen_len=4)
+            assert "split" in w.cores[0].requests and "split" not in w.cores[1].requests
+            while any(r["id"] == "split" for r in w.running):
+                w.step()
+            assert all(wr.stats()["records_dropped"] == 0 for wr in w.writers)
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        while w.running:
+            w.step()
+            _wait(lambda: w.unread() == 0, "the daemon to read a step")
+        client = d.client()
+        _one_overloaded_gap(client, "split", PROMPT + 4 - 1)
+        for rid in early:
+            assert client.fetch(rid, timeout=30).complete, rid
+        st = d.status()
+        assert [r["writer"]["captures_shed"] for r in sorted(st["rings"], key=lambda r: r["rank"]) if r["rank"] >= 0] == [0, 1]
+        assert st["drops"]["captures_shed"] == 1
     finally:
         w.close()
