@@ -56,6 +56,8 @@ def apply(vllm_config: Any, cfg: ServerCaptureConfig, free_shm: int, rings: int)
     config for the other processes."""
     if not cfg.ring_auto:
         return cfg
+    if not isinstance(getattr(vllm_config, "additional_config", None), dict):
+        return cfg  # nowhere to tell the other processes: they would open rings of the default size
     mc = vllm_config.model_config
     try:
         vocab = int(mc.get_vocab_size())
