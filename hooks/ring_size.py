@@ -10,10 +10,10 @@ operator declares (vllm_tap.steps_per_s, spec.DEFAULT_STEPS_PER_S otherwise):
     ring = max_num_seqs × (vocab + layers × hidden) × dtype bytes / tp × steps_per_s × RING_SECONDS
 
 bounded to [MIN_RING_BYTES, MAX_RING_BYTES] and to SHM_SHARE of the shm file system's free space
-split over every ring started here (a bound that wins is logged). The API process sizes the rings
-once, before any engine starts, and writes the size into the tap's settings in vLLM's config, so the
-engine and every worker (which read those settings) open rings of the same size, and the shm check
-(preflight) checks that size.
+split over every ring started here. The API process sizes the rings once, before any engine starts,
+and writes the size into the tap's settings in vLLM's config, so the engine and every worker (which
+read those settings) open rings of the same size, and the shm check (preflight) checks that size.
+Each worker logs the size of the ring it opened (runner_patch).
 """
 
 from __future__ import annotations

@@ -97,8 +97,9 @@ def setup(runner, *, v2: bool) -> CaptureCore | None:
         # IntermediateTensors, where the execute_model wrapper takes them out.
         model.set_aux_hidden_state_layers(place.layers)
         runner.use_aux_hidden_state_outputs = place.is_last_stage and bool(place.layers)
-    log.info("vllm-tap ring %s (tp rank %d/%d, pp stage %d/%d, %s runner)", writer.path, place.tp_rank,
-             place.tp_size, place.pp_rank, place.pp_size, "V2" if v2 else "V1")
+    log.info("vllm-tap ring %s of %d MiB (tp rank %d/%d, pp stage %d/%d, %s runner; new captures shed while over "
+             "%.0f%% unread)", writer.path, writer.capacity >> 20, place.tp_rank, place.tp_size, place.pp_rank,
+             place.pp_size, "V2" if v2 else "V1", 100 * cfg.shed_at)
     return core
 
 
