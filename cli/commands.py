@@ -251,7 +251,8 @@ def _status_text(s: dict[str, Any]) -> str:
         f"requests in flight: {s['requests_in_flight']}   retained: {s['retained_requests']} ({_mib(s['retained_bytes'])})"
         f"   evicted: {s['evicted_requests']}",
         f"records in: {s['records_in']} ({_mib(s['bytes_in'])})   drops: {d['records']} records "
-        f"({_mib(d['bytes'])}), {d['missing_positions']} positions missing",
+        f"({_mib(d['bytes'])}), {d['missing_positions']} positions missing, {d.get('captures_shed', 0)} captures shed "
+        f"(daemon behind)",
         f"subscribers: {s['subscribers']} ({s['subscribers_waiting']} waiting, {s['subscribers_too_slow']} cut off as too slow)"
         f"   delivered: {s['delivered_messages']} messages ({_mib(s['delivered_bytes'])}), mean latency {mean}",
     ]

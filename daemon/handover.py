@@ -106,6 +106,7 @@ class Capture(msgspec.Struct, forbid_unknown_fields=True):
     hold: int
     chunks: list[Chunk]
     slices: list[Slice]
+    shed: str | None = None  # a worker shed it (SHED record read): it ends as one Gap with this reason
 
 
 class Handover(msgspec.Struct, forbid_unknown_fields=True):

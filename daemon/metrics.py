@@ -59,6 +59,8 @@ _RING_METRICS: list[tuple[str, str, str, Callable[[dict[str, Any]], float]]] = [
      lambda r: r["writer"]["records_dropped"]),
     ("vllm_tap_ring_bytes_dropped", "Bytes the writer dropped because the ring was full.", "counter",
      lambda r: r["writer"]["bytes_dropped"]),
+    ("vllm_tap_ring_captures_shed", "Captures the writer did not admit because the daemon was behind (ring over "
+     "the shed threshold).", "counter", lambda r: r["writer"].get("captures_shed", 0)),
     ("vllm_tap_ring_corrupt", "Times the daemon found the ring corrupt and skipped ahead.", "counter", lambda r: r["corrupt"]),
     ("vllm_tap_ring_rejected_records", "Records of the ring that did not fit the record schema (skipped; their "
      "captures ended).", "counter", lambda r: r.get("rejected", 0)),
@@ -108,6 +110,8 @@ class DaemonCollector(Collector):
         yield _counter("vllm_tap_dropped_bytes", "Bytes writers dropped because a ring was full (all rings).", drops["bytes"])
         yield _counter("vllm_tap_missing_positions", "Token positions delivered as gaps (dropped or never written).",
                        drops["missing_positions"])
+        yield _counter("vllm_tap_captures_shed", "Captures delivered as one gap `overloaded`: a worker shed them "
+                       "because the daemon was behind.", drops.get("captures_shed", 0))
         yield _gauge("vllm_tap_subscribers", "Open subscriptions.", s["subscribers"])
         yield _gauge("vllm_tap_subscribers_waiting", "Subscriptions waiting for their capture to appear.", s["subscribers_waiting"])
         yield _counter("vllm_tap_subscriptions", "Subscriptions accepted.", s["subscribers_total"])

@@ -26,6 +26,10 @@ Rules for what is expected and when a capture ends:
   end_position are never delivered: the newest output position of a capture is held back until a
   later one is seen or the END comes (HOLD_NEWEST). Prompt positions are never past the end, and
   nothing is held when the BEGIN says the engine does not schedule asynchronously.
+- A capture a worker did not admit (a SHED record from any of its ranks: the daemon was behind, see
+  hooks/admission.py) is delivered as one Gap over its expected positions, with the SHED's reason
+  (`overloaded`), once its END says where it stops; whatever other ranks wrote for it is discarded
+  (without the shedding rank's records none of its steps could complete).
 - Every capture ends: by its END (then after end_grace_s for straggling slices), by its writer's
   death (after gone_grace_s, once the dead ring is drained), by the engine's LIVE records no longer
   naming it (END lost), by a malformed record naming it, or by the daemon cutting it to stay inside
@@ -80,6 +84,7 @@ RING_BROKEN = "ring broken"  # the ring file changed under the daemon (truncated
 END_LOST = "end lost"  # the engine stopped naming the request in its LIVE records and no END came
 MALFORMED = "malformed record"  # a record of the capture did not fit the ring schema
 OVER_BUDGET = "over budget"  # the daemon's in-flight memory budget (inflight_bytes) was exceeded
+OVERLOADED = rf.SHED_OVERLOADED  # a worker shed the capture: its ring was over the shed threshold
 
 Alloc = Callable[[tuple[int, int], Any], "np.ndarray | None"]  # (shape, dtype) -> array, None: use the heap
 MAX_TARGETS = 1 << 16  # tensor-parallel targets waiting for their other slices, at most
@@ -301,6 +306,7 @@ class _Request:
     last_record_at: float = 0.0
     lost_at: float | None = None  # when the LIVE rule declared its END lost
     cut: str | None = None  # why its data is no longer kept (over budget)
+    shed: str | None = None  # why a worker did not admit it (a SHED record): delivered as one Gap
     hold: int = HOLD_NEWEST  # output positions held back (0 when the BEGIN says the engine is not async)
 
     def resolved(self, positions: np.ndarray) -> bool:
@@ -355,7 +361,8 @@ class Reassembler:
         self.held_bytes = 0
         self.stats = {"records": 0, "late_records": 0, "duplicate_records": 0, "bad_records": 0,
                       "past_end_records": 0, "rejected_records": 0, "requests_started": 0, "requests_finished": 0,
-                      "missing_positions": 0, "live_records": 0, "ends_lost": 0, "captures_cut": 0}
+                      "missing_positions": 0, "live_records": 0, "ends_lost": 0, "captures_cut": 0,
+                      "captures_shed": 0, "shed_records": 0}
 
     # -- inspection --
 
@@ -414,6 +421,8 @@ class Reassembler:
             self._on_drop(record, now, out)
         elif kind == rf.RecordKind.LIVE:
             self._on_live(record, now)
+        elif kind == rf.RecordKind.SHED:
+            self._on_shed(record, now, out)
         return out
 
     def reject(self, request_ids: Iterable[str], why: str, now: float) -> list[Event]:
@@ -524,7 +533,8 @@ class Reassembler:
         end = ring_schema.control_record(rf.RecordKind.END, c.request_id, c.end, tap_key=c.tap_key) \
             if c.end is not None else None
         req = _Request(c.request_id, c.tap_key, c.num_prompt_tokens, c.lazy, source=c.source, inherited=True,
-                       hold=c.hold, tail=c.tail, max_seen=c.max_seen, sources=set(c.sources), cut=c.cut)
+                       hold=c.hold, tail=c.tail, max_seen=c.max_seen, sources=set(c.sources), cut=c.cut,
+                       shed=c.shed)
         if begin is not None:
             self._apply_begin(req, begin)
         if c.spec is not None and req.spec is None:
@@ -557,6 +567,9 @@ class Reassembler:
                 dtype=sl.dtype, slice_start=sl.slice_start, slice_stop=sl.slice_stop, full_dim=sl.full_dim,
                 num_prompt_tokens=sl.num_prompt_tokens, positions=sl.positions.array(), token_ids=sl.token_ids.array(),
                 data=sl.data.array(), ring=sl.ring, epoch=sl.epoch, source=req.source), now, out)
+        if req.shed is not None and req.end is not None:
+            self._finish(req, now, out, req.shed)
+            return
         self._pump(req, now, out)
 
     # -- record kinds --
@@ -591,6 +604,15 @@ class Reassembler:
             self.stats["late_records"] += 1
             return None
         return self._new_request(r, now, out, lazy=True)
+
+    def _arrived(self, r: RingRecord, now: float, out: list[Event]) -> _Request | None:
+        """The capture a worker's record (DATA, DROP, SHED) is about, made if new and noted active;
+        None when it already finished."""
+        req = self._lazy(r, now, out)
+        if req is not None:
+            self._touch(req, now)
+            req.sources.add(r.ring)
+        return req
 
     def _set_start(self, req: _Request, start: int) -> None:
         req.start = start
@@ -659,11 +681,12 @@ class Reassembler:
             self.stats["bad_records"] += 1
             log.warning("request %s: malformed DATA record from %s ignored", r.request_id, r.ring)
             return
-        req = self._lazy(r, now, out)
+        req = self._arrived(r, now, out)
         if req is None:
             return
-        self._touch(req, now)
-        req.sources.add(r.ring)
+        if req.shed is not None:
+            self.stats["shed_records"] += 1  # another rank admitted what one rank shed
+            return
         if req.num_prompt_tokens == 0:
             req.num_prompt_tokens = r.num_prompt_tokens
         if req.spec is None and req.start is None and not req.tail:
@@ -698,11 +721,9 @@ class Reassembler:
             self._pump(req, now, out)
 
     def _on_drop(self, r: RingRecord, now: float, out: list[Event]) -> None:
-        req = self._lazy(r, now, out)
-        if req is None:
+        req = self._arrived(r, now, out)
+        if req is None or req.shed is not None:
             return
-        self._touch(req, now)
-        req.sources.add(r.ring)
         positions = r.control.positions if r.control is not None else r.meta.get("positions", [])
         dropped = np.asarray(positions, np.int64)
         if not len(dropped):
@@ -750,7 +771,29 @@ class Reassembler:
                 req.frontier = start
                 if req.first_frontier is None:
                     req.first_frontier = start
+        if req.shed is not None:
+            self._finish(req, now, out, req.shed)
+            return
         self._pump(req, now, out)
+
+    def _on_shed(self, r: RingRecord, now: float, out: list[Event]) -> None:
+        req = self._arrived(r, now, out)
+        if req is None or req.shed is not None:
+            return  # finished, or another rank shed it too
+        if not req.num_prompt_tokens:
+            req.num_prompt_tokens = r.num_prompt_tokens
+        if req.spec is None and r.spec is not None:
+            self._apply_spec(req, r.spec, r.source)
+        req.shed = r.control.reason if r.control is not None and r.control.reason else OVERLOADED
+        self.stats["captures_shed"] += 1
+        # What other ranks wrote for it is discarded: one Gap covers the capture.
+        for g in list(req.groups.values()):
+            self._take_group(req, g)
+        for item in req.ready:
+            self._account(req, -item[3].nbytes)
+        req.ready = []
+        if req.end is not None:
+            self._finish(req, now, out, req.shed)
 
     def _on_live(self, r: RingRecord, now: float) -> None:
         self.stats["live_records"] += 1
@@ -960,7 +1003,8 @@ class Reassembler:
         if self._requests.get(req.request_id) is not req:
             return
         if force_reason is not None:
-            self._fail_groups(req, list(req.groups.values()), force_reason)
+            gap_reason = req.shed or force_reason  # a shed capture's positions are missing for that reason
+            self._fail_groups(req, list(req.groups.values()), gap_reason)
             if req.stop is None:  # no END: the expected positions end where capture got to
                 top = max((ch.stop for _, _, _, ch in req.ready), default=req.frontier or 0)
                 req.stop = max(top, req.frontier or 0)
@@ -968,7 +1012,7 @@ class Reassembler:
                     # A tail capture without its END: keep the last `tail` positions it reached.
                     self._set_start(req, max(min(ch.start for _, _, _, ch in req.ready), req.stop - req.tail))
                     req.frontier = req.start
-            self._pump(req, now, out, force_reason)
+            self._pump(req, now, out, gap_reason)
         del self._requests[req.request_id]
         self._account(req, -req.nbytes)
         req.ready = []
@@ -1028,7 +1072,7 @@ def _export(req: _Request) -> ho.Capture:
         req.request_id, req.tap_key, req.num_prompt_tokens, req.lazy, req.source, _meta(req.begin, req.spec),
         _meta(req.end, req.spec),
         req.spec.to_meta() if req.spec is not None else None, req.tail, req.start, req.frontier, req.stop, req.max_seen,
-        sorted(req.sources), req.cut, req.hold, chunks, slices)
+        sorted(req.sources), req.cut, req.hold, chunks, slices, req.shed)
 
 
 def _top(positions: np.ndarray) -> int:

@@ -31,7 +31,7 @@ Rules kept here (performance and correctness):
   per phase (states, then logits), a section per tensor: the rows' ids gathered once, each
   tensor's rows by one copy (two for logits: extra-pass rows, then sampled rows), top-k and
   logsumexp once for every row that needs them. So a step issues the same torch calls for 8 or 64
-  requests (tests/test_hook_ops.py counts them); on a GPU each call is microseconds of the step
+  requests (tests/hooks/test_hook_ops.py counts them); on a GPU each call is microseconds of the step
   thread's host time, so their number is the cost to keep down. No per-token Python, no device
   sync. Per-request work (spec, parts, request-table entry) is done once, when the request is
   learned. The runner adapters do nothing at all in a step in which nobody captures, and count
@@ -45,6 +45,8 @@ Rules kept here (performance and correctness):
   only its 1/tp share of the last dimension (no collective). Top-k and chosen indices need whole
   rows: TP rank 0 writes them. The extra lm-head pass is a collective, so every TP rank of the last
   stage runs it identically (the plan is the same on every rank).
+- A capture is admitted or shed once, when its request is learned (hooks/admission.py: one read of
+  two ring cursors); a shed request is not kept, so it costs nothing per step.
 - A request's malformed spec means no capture for it (one logged error), never an exception.
 - A request's rows are positions [computed, computed + scheduled) cut to its live range; rows at or
   past its end (async scheduling computes a finished request once more) are written like any other:
@@ -62,12 +64,13 @@ import torch
 
 from vllm_tap import ring_format as rf
 from vllm_tap.hooks import guard
+from vllm_tap.hooks.admission import Admission
 from vllm_tap.hooks.cost import StepCost
 from vllm_tap.hooks.publisher import STORAGE, DeviceIndices, Publisher, gather_rows, report_drop
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
 from vllm_tap.ring_records import RequestRef, RequestTable, TensorId
 from vllm_tap.ring_writer import RingWriter
-from vllm_tap.spec import CaptureSpec, DTypeMode, LogitsMode
+from vllm_tap.spec import DEFAULT_SHED_AT, CaptureSpec, DTypeMode, LogitsMode
 
 log = logging.getLogger("vllm_tap.hooks")
 
@@ -432,15 +435,16 @@ class CaptureCore:
 
     def __init__(self, writer: RingWriter, place: RankPlace, publisher: Publisher, *,
                  model_dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-                 max_record_bytes: int | None = None):
+                 max_record_bytes: int | None = None, shed_at: float = DEFAULT_SHED_AT):
         self.writer = writer
+        self.admission = Admission(writer, shed_at)
         self.place = place
         self.publisher = publisher
         self.model_dtype = model_dtype
         self.device = torch.device(device)
         # Row indices for gathers on the device, uploaded once per distinct batch layout.
         self.to_device = DeviceIndices(self.device) if self.device.type != "cpu" else torch.from_numpy
-        self.cost = StepCost(drops=self.records_dropped,
+        self.cost = StepCost(drops=self.records_dropped, shed=lambda: self.admission.shed,
                              thread=lambda: (getattr(publisher, "thread_ns", 0), getattr(publisher, "thread_wakes", 0)))
         self.tp_rank, self.tp_size = place.tp_rank, place.tp_size
         self.is_last_stage = place.is_last_stage
@@ -465,10 +469,14 @@ class CaptureCore:
     # -- requests --
 
     def learn(self, rid: str, extra_args: dict | None, num_prompt: int) -> None:
-        """A request the runner admitted (again, after a preemption): work out what it captures."""
+        """A request the runner admitted (again, after a preemption): work out what it captures, and
+        whether this worker takes the capture on (hooks/admission.py)."""
         req = self._request(rid, extra_args, num_prompt)
         if req is None:
             self.forget(rid)  # a re-used id that captured before does not now
+        elif req.parts and not self.admission.admit(rid, req.spec, num_prompt):
+            self.forget(rid)
+            self.cost.poll()  # shedding may go on with no capturing step to carry the log line
         else:
             self.requests[rid] = req
             self._version += 1

@@ -5,7 +5,9 @@ can show the hook's cost on a GPU: the worker counts it itself. The runner adapt
 time of each capturing step's tap work (planning, gathers, copies queued, ring reservations); steps
 in which nobody captures do no tap work and are not counted. Every `LOG_EVERY_S` seconds with
 captures, vLLM's log gets one line: steps, mean, p50/p99 (log2 buckets: a p99 of "≤ 64 µs" means
-between 32 and 64), the worst step, and what the publisher dropped since the last line.
+between 32 and 64), the worst step, what the publisher dropped and the captures admission shed
+(hooks/admission.py) since the last line. A shed capture polls the clock too, so a worker that sheds
+while nothing it admitted is running still says so, once an interval.
 
 Rules: `add` is O(1) and allocation-free (a few integer operations; the clock is read once every
 `CHECK_EVERY` steps); a fault in logging never reaches vLLM (the caller runs under guard).
@@ -28,9 +30,10 @@ _BUCKETS = 40  # 2**40 ns: any step
 class StepCost:
     """Host nanoseconds of the tap's work per capturing step, bucketed by powers of two."""
 
-    def __init__(self, every_s: float = LOG_EVERY_S, drops=None, thread=None):
+    def __init__(self, every_s: float = LOG_EVERY_S, drops=None, thread=None, shed=None):
         self.every_s = every_s
         self.drops = drops  # callable: records dropped so far (counted by the publisher and ring)
+        self.shed = shed  # callable: captures not admitted so far
         # callable: (ns, wakes) the publisher thread spent holding the GIL handling steps, so far
         self.thread = thread
         self._thread_before = (0, 0)
@@ -41,6 +44,7 @@ class StepCost:
         self._since = 0
         self._next = time.monotonic() + every_s
         self._drops_before = 0
+        self._shed_before = 0
 
     def add(self, ns: int) -> None:
         self.steps += 1
@@ -53,6 +57,11 @@ class StepCost:
             self._since = 0
             if time.monotonic() >= self._next:
                 self.report()
+
+    def poll(self) -> None:
+        """Report now if an interval has passed (one clock read)."""
+        if time.monotonic() >= self._next:
+            self.report()
 
     def quantile_ns(self, q: float) -> int:
         """Upper bound of the bucket holding quantile q (0 when nothing was counted)."""
@@ -76,13 +85,16 @@ class StepCost:
         self._next = time.monotonic() + self.every_s
         s = self.summary()
         drops = self.drops() if self.drops is not None else 0
+        shed = self.shed() if self.shed is not None else 0
         ns, wakes = self.thread() if self.thread is not None else (0, 0)
         d_ns, d_wakes = ns - self._thread_before[0], wakes - self._thread_before[1]
         log.info("vllm-tap: %d capturing steps, hook host time mean %.1f us, p50 <= %.0f us, p99 <= %.0f us, "
-                 "max %.0f us; publisher thread %.1f us per step in %d wakes; %d records dropped since the last report",
+                 "max %.0f us; publisher thread %.1f us per step in %d wakes; %d records dropped and %d captures shed "
+                 "(daemon behind) since the last report",
                  s["steps"], s["mean_us"], s["p50_us"], s["p99_us"], s["max_us"],
-                 d_ns / 1e3 / max(s["steps"], 1), d_wakes, drops - self._drops_before)
+                 d_ns / 1e3 / max(s["steps"], 1), d_wakes, drops - self._drops_before, shed - self._shed_before)
         self._drops_before = drops
+        self._shed_before = shed
         self._thread_before = (ns, wakes)
         self.steps = self.total_ns = self.max_ns = 0
         self.buckets = [0] * _BUCKETS

@@ -10,7 +10,8 @@ worker has loaded the model:
     someone else's, not open to others): a squatted directory stops start-up here;
   - the rings are reserved whole when created (RingWriter), so the shm directory's file system
     must have room for all of them: one ring of `ring_bytes` per worker rank of every engine
-    started here, plus each engine's control ring.
+    started here, plus each engine's control ring. When ring_bytes is not set, it is sized here
+    first, from the model and bounded by the free space (hooks/ring_size.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 
 from vllm_tap import ring_format as rf
+from vllm_tap.hooks import ring_size
 from vllm_tap.hooks.engine_events import ENGINE_RING_BYTES
 from vllm_tap.hooks.settings import TapConfigError
 from vllm_tap.ring_files import ensure_shm_dir, free_bytes
@@ -33,6 +35,11 @@ def check(vllm_config, cfg: ServerCaptureConfig | None) -> None:
         return
     check_model(vllm_config, cfg)
     check_shm_dir(cfg)
+    if cfg.ring_auto:
+        pc = vllm_config.parallel_config
+        engines = max(1, pc.data_parallel_size_local if pc.data_parallel_size > 1 else 1)
+        rings = engines * pc.tensor_parallel_size * pc.pipeline_parallel_size
+        cfg = ring_size.apply(vllm_config, cfg, free_bytes(cfg.shm_dir), rings)
     check_shm_space(vllm_config, cfg)
 
 

@@ -57,6 +57,9 @@ STORAGE = {torch.float32: rf.DType.FLOAT32, torch.float16: rf.DType.FLOAT16,
 # logits at vocab 128256 in bf16 (33 MB) fits several times in the default ring's (256 MiB / 4).
 STAGING_RING_SHARE = 4
 MIN_STAGING_BYTES = 1 << 20
+# Device memory: a few steps in flight need no more, however large the ring (hooks/ring_size.py sizes
+# rings up to gigabytes).
+MAX_STAGING_BYTES = 256 << 20
 STAGING_ALIGN = 256  # every staged block starts aligned for any dtype and for fast DMA
 
 Segment = tuple[torch.Tensor, "np.ndarray | None"]
@@ -64,7 +67,7 @@ Segment = tuple[torch.Tensor, "np.ndarray | None"]
 
 def staging_bytes(ring_bytes: int) -> int:
     """Size of the device staging buffer for a ring of `ring_bytes`."""
-    n = max(ring_bytes // STAGING_RING_SHARE, MIN_STAGING_BYTES)
+    n = min(max(ring_bytes // STAGING_RING_SHARE, MIN_STAGING_BYTES), MAX_STAGING_BYTES)
     return n - n % STAGING_ALIGN
 
 

@@ -90,15 +90,17 @@ def setup(runner, *, v2: bool) -> CaptureCore | None:
     except Exception as e:  # noqa: BLE001
         writer.close(unlink=True)
         raise TapConfigError(f"vllm-tap: cannot set up copies into the ring: {e}".replace("\n", " ")) from None
-    core = CaptureCore(writer, place, publisher, model_dtype=getattr(vc.model_config, "dtype", None), device=device)
+    core = CaptureCore(writer, place, publisher, model_dtype=getattr(vc.model_config, "dtype", None), device=device,
+                       shed_at=cfg.shed_at)
     if cfg.layers:
         # Each pipeline stage emits only the layers it computes. The runner unpacks aux outputs on
         # the last stage once the flag is set; earlier stages return theirs inside
         # IntermediateTensors, where the execute_model wrapper takes them out.
         model.set_aux_hidden_state_layers(place.layers)
         runner.use_aux_hidden_state_outputs = place.is_last_stage and bool(place.layers)
-    log.info("vllm-tap ring %s (tp rank %d/%d, pp stage %d/%d, %s runner)", writer.path, place.tp_rank,
-             place.tp_size, place.pp_rank, place.pp_size, "V2" if v2 else "V1")
+    log.info("vllm-tap ring %s of %d MiB (tp rank %d/%d, pp stage %d/%d, %s runner; new captures shed while over "
+             "%.0f%% unread)", writer.path, writer.capacity >> 20, place.tp_rank, place.tp_size, place.pp_rank,
+             place.pp_size, "V2" if v2 else "V1", 100 * cfg.shed_at)
     return core
 
 

@@ -13,13 +13,14 @@ import struct
 
 import numpy as np
 
-RING_FORMAT_VERSION = 5  # 2: DATA records carry rows of several requests (a request table)
+RING_FORMAT_VERSION = 6  # 2: DATA records carry rows of several requests (a request table)
 # 3: request table entries also carry the capture's first expected position, tail length and source
 # 4: the reader's waiting flag (READER_WAITING_OFFSET): writers ring the doorbell only while it is set;
 #    LOGSUMEXP records beside top-k and chosen-index records
 # 5: a DATA record may carry several tensors of the same rows (sections, see body_layout): a step's
 #    states, or its logits parts, in one record. A record of one section is laid out as in 4.
-READABLE_VERSIONS = (4, 5)  # the reader reads 4 as 5's one-section records
+# 6: SHED records (a worker did not admit a capture: the daemon was behind); the captures_shed stat
+READABLE_VERSIONS = (4, 5, 6)  # the reader reads 4 as 5's one-section records; 5 is 6 without SHED
 RING_MAGIC = b"VLLMTAP\x00"
 RING_SUFFIX = ".ring"
 
@@ -47,6 +48,7 @@ STATS_FIELDS = (
     "last_write_ns",
     "control_dropped",  # control records (BEGIN/END/DROP) dropped because the writer's bounded
     #                     backlog was full: the reader cannot see them; LIVE records cover BEGIN/END
+    "captures_shed",  # captures this writer did not admit because its reader was behind (SHED records)
 )
 assert STATS_OFFSET + 8 * len(STATS_FIELDS) <= STATS_OFFSET + ALIGN
 # The reader's waiting flag, a u64 on its own cache line: the daemon sets it (1) before it blocks
@@ -88,6 +90,14 @@ class RecordKind(enum.IntEnum):
     LIVE = 6  # engine ring only: the requests still capturing (meta: {"requests": [ids]}), written about
     #          once a second while any capture runs and once after the last one ends, so a reader can end
     #          a capture whose END it will never see (lost or consumed by a previous reader)
+    SHED = 7  # worker rings: this writer did not admit the capture because its reader was behind (meta:
+    #          reason, and the spec and prompt length so a reader that missed the BEGIN can place it). It
+    #          writes no DATA for it; the reader delivers the capture as one Gap (the reason) from any rank.
+
+
+# A SHED record's reason when the writer's reader was behind (its ring over the shed threshold): the
+# reader delivers the capture as one Gap with this reason.
+SHED_OVERLOADED = "overloaded"
 
 
 class TensorKind(enum.IntEnum):

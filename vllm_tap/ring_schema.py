@@ -59,7 +59,7 @@ MAX_SAMPLES = 1 << 16  # n of a request
 MAX_STEP = (1 << 63) - 1
 
 _DATA = rf.RecordKind.DATA
-_CONTROL_KINDS = (rf.RecordKind.BEGIN, rf.RecordKind.END, rf.RecordKind.DROP, rf.RecordKind.LIVE)
+_CONTROL_KINDS = (rf.RecordKind.BEGIN, rf.RecordKind.END, rf.RecordKind.DROP, rf.RecordKind.LIVE, rf.RecordKind.SHED)
 _ITEMSIZE = {int(c): rf.storage_dtype(c).itemsize for c in rf.DType}
 _TENSOR_KINDS = {int(k) for k in rf.TensorKind}
 
@@ -114,6 +114,17 @@ class LiveMeta(msgspec.Struct, forbid_unknown_fields=False):
     requests: Annotated[list[RequestIdStr], msgspec.Meta(max_length=MAX_LIVE_REQUESTS)] = []
 
 
+class ShedMeta(msgspec.Struct, forbid_unknown_fields=False):
+    """SHED (worker ring): the writer did not admit the capture; why, and what places it."""
+
+    reason: Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)] = "overloaded"
+    num_prompt_tokens: Count = 0
+    spec: msgspec.Raw = msgspec.Raw()
+    source: SourceStr | None = None
+    unread_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 48)] = 0  # what the writer saw when it decided
+    capacity: Annotated[int, msgspec.Meta(ge=0, le=1 << 48)] = 0
+
+
 class RequestEntry(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     """One entry of a DATA record's request table, in ring_format.REQUEST_FIELDS order."""
 
@@ -141,6 +152,7 @@ _CONTROL_DECODERS = {
     rf.RecordKind.END: msgspec.msgpack.Decoder(EndMeta),
     rf.RecordKind.DROP: msgspec.msgpack.Decoder(DropMeta),
     rf.RecordKind.LIVE: msgspec.msgpack.Decoder(LiveMeta),
+    rf.RecordKind.SHED: msgspec.msgpack.Decoder(ShedMeta),
 }
 _TABLE = msgspec.msgpack.Decoder(list[RequestEntry])
 _RAW_LIST = msgspec.msgpack.Decoder(list[msgspec.Raw])
@@ -291,7 +303,7 @@ def _decode_control(mv: memoryview, h: Header, ring: str, epoch: int) -> RingRec
         raise Rejected(f"{kind.name} meta: {e}", ids, h.kind) from None
     spec = None
     source = None
-    if isinstance(info, (BeginMeta, EndMeta)):
+    if isinstance(info, (BeginMeta, EndMeta, ShedMeta)):
         try:
             spec = _spec(info.spec, rid)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
@@ -302,7 +314,7 @@ def _decode_control(mv: memoryview, h: Header, ring: str, epoch: int) -> RingRec
     meta = msgspec.structs.asdict(info)
     if "spec" in meta:
         meta["spec"] = spec.to_meta() if spec is not None else None
-    num_prompt = info.num_prompt_tokens if isinstance(info, (BeginMeta, EndMeta)) else 0
+    num_prompt = info.num_prompt_tokens if isinstance(info, (BeginMeta, EndMeta, ShedMeta)) else 0
     return RingRecord(kind=kind, request_id=rid, tap_key=tap_key, step=h.step, rank=h.rank, meta=meta,
                       num_prompt_tokens=num_prompt, source=source or "client", ring=ring, epoch=epoch,
                       control=info, spec=spec)

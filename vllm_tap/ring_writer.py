@@ -422,6 +422,18 @@ class RingWriter:
             self._wake()
         return ok
 
+    def unread_bytes(self) -> int:
+        """Bytes reserved in the ring that its reader has not consumed yet: how far the reader lags
+        this writer. Two loads, no lock (a racing reservation or read makes it a moment old)."""
+        return self._reserved - self._read.get()
+
+    def write_shed(self, request_id: str, meta: dict[str, Any], tap_key: str = "") -> bool:
+        """A SHED record (queued like any control record) and the captures_shed count."""
+        with self._lock:
+            if self._usable():
+                self._bump("captures_shed")
+        return self.write_control(rf.RecordKind.SHED, request_id, meta, tap_key=tap_key)
+
     def flush(self) -> bool:
         """Retry queued control records; True when none are left waiting."""
         if not self._backlog:

@@ -62,7 +62,9 @@ SOURCE_POLICY = "policy"  # the server's capture policy chose it
 SOURCES = (SOURCE_CLIENT, SOURCE_POLICY)
 
 SERVER_CONFIG_KEY = "vllm_tap"  # --additional-config '{"vllm_tap": {...}}'
-DEFAULT_RING_BYTES = 256 << 20
+DEFAULT_RING_BYTES = 256 << 20  # when ring_bytes is not set and the model's size is unknown
+DEFAULT_STEPS_PER_S = 100.0  # decode steps a second a ring is sized for when the operator does not say
+DEFAULT_SHED_AT = 0.5  # a worker sheds new captures while more than this share of its ring is unread
 RESERVED_PREFIX = "vllm_tap"  # extra_args keys only the tap itself may write
 MAX_KEY_CHARS = 256
 # A spec travels in every BEGIN and END record, where a reader takes at most MAX_SPEC_BYTES of it
@@ -366,6 +368,11 @@ class ServerCaptureConfig:
     group: str | None = None
     block_timeout_s: float = 0.0  # >0: wait up to this long for ring space instead of dropping
     policy: CapturePolicy | None = None
+    # ring_bytes was not set: the API process sizes the rings from the model (hooks/ring_size.py)
+    # and writes the size back into the settings, so every process opens rings of one size.
+    ring_auto: bool = False
+    steps_per_s: float = DEFAULT_STEPS_PER_S  # decode steps a second the operator expects (ring sizing)
+    shed_at: float = DEFAULT_SHED_AT  # share of a worker's ring unread above which new captures are shed
 
     @classmethod
     def from_additional_config(
@@ -381,7 +388,8 @@ class ServerCaptureConfig:
             raw = {}
         if not isinstance(raw, dict):
             raise CaptureOptionError(f"{SERVER_CONFIG_KEY}: expected an object of settings, got {shown(raw)}")
-        known = {"layers", "instance", "shm_dir", "ring_bytes", "group", "block_timeout_s", "policy"}
+        known = {"layers", "instance", "shm_dir", "ring_bytes", "group", "block_timeout_s", "policy", "steps_per_s",
+                 "shed_at"}
         unknown = sorted(set(raw) - known, key=str)
         if unknown:
             raise CaptureOptionError(
@@ -409,7 +417,8 @@ class ServerCaptureConfig:
         instance = raw.get("instance", "default")
         if not isinstance(instance, str) or not instance or "/" in instance or instance.startswith("."):
             raise CaptureOptionError(f"{SERVER_CONFIG_KEY}.instance: expected a plain name, got {shown(instance)}")
-        ring_bytes = raw.get("ring_bytes", DEFAULT_RING_BYTES)
+        ring_auto = raw.get("ring_bytes") is None
+        ring_bytes = DEFAULT_RING_BYTES if ring_auto else raw["ring_bytes"]
         if not _is_int(ring_bytes) or ring_bytes < 1 << 16:
             raise CaptureOptionError(f"{SERVER_CONFIG_KEY}.ring_bytes: expected an int >= 65536, got {shown(ring_bytes)}")
         ring_bytes -= ring_bytes % 64
@@ -423,7 +432,16 @@ class ServerCaptureConfig:
         if not isinstance(block, (int, float)) or isinstance(block, bool) or block < 0:
             raise CaptureOptionError(f"{SERVER_CONFIG_KEY}.block_timeout_s: expected seconds >= 0, got {shown(block)}")
         policy = _parse_policy(raw["policy"], layers, vocab_size) if raw.get("policy") is not None else None
-        return cls(layers, instance, shm_dir, ring_bytes, group, float(block), policy)
+        steps = raw.get("steps_per_s", DEFAULT_STEPS_PER_S)
+        if not isinstance(steps, (int, float)) or isinstance(steps, bool) or not 1 <= steps <= 1e6:
+            raise CaptureOptionError(f"{SERVER_CONFIG_KEY}.steps_per_s: expected decode steps a second from 1 to 1e6, "
+                                     f"got {shown(steps)}")
+        shed_at = raw.get("shed_at", DEFAULT_SHED_AT)
+        if not isinstance(shed_at, (int, float)) or isinstance(shed_at, bool) or not 0 < shed_at <= 1:
+            raise CaptureOptionError(f"{SERVER_CONFIG_KEY}.shed_at: expected a share of the ring above 0 and at most 1, "
+                                     f"got {shown(shed_at)}")
+        return cls(layers, instance, shm_dir, ring_bytes, group, float(block), policy, ring_auto, float(steps),
+                   float(shed_at))
 
 
 def _parse_policy(raw: Any, layers: tuple[int, ...], vocab_size: int | None) -> CapturePolicy:

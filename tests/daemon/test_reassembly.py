@@ -11,7 +11,8 @@ import numpy as np
 
 from vllm_tap import ring_format as rf
 from vllm_tap.daemon.reassembly import (
-    DROPPED, END_LOST, INCOMPLETE, MALFORMED, NOT_CAPTURED, NOT_CAPTURED_PREVIOUS, OVER_BUDGET, TIMEOUT, WRITER_GONE,
+    DROPPED, END_LOST, INCOMPLETE, MALFORMED, NOT_CAPTURED, NOT_CAPTURED_PREVIOUS, OVER_BUDGET, OVERLOADED, TIMEOUT,
+    WRITER_GONE,
     Begin, End, Gap, Reassembler, Tokens,
 )
 from vllm_tap.ring_records import RingRecord, TensorId
@@ -579,3 +580,74 @@ def test_nothing_is_held_back_when_the_engine_does_not_schedule_asynchronously()
     assert delivered(ev) == [0, 1, 2]
     ev = feed(r, data(2, [3]))
     assert delivered(ev) == [3]
+
+
+# -- captures a worker shed (hooks/admission.py) --
+
+
+def shed(rid=RID, rank=0, n_prompt=4, spec=None) -> RingRecord:
+    s = spec or CaptureSpec()
+    return control_record(rf.RecordKind.SHED, rid, {"reason": "overloaded", "num_prompt_tokens": n_prompt,
+                                                   "spec": s.to_meta(), "source": s.source},
+                          rank=rank, ring=f"rank-{rank:05d}.ring")
+
+
+def _one_overloaded_gap(ev, stop: int) -> None:
+    assert [(type(e).__name__, list(getattr(e, "positions", ()))) for e in ev if isinstance(e, (Gap, Tokens))] == \
+        [("Gap", list(range(stop)))], ev
+    assert gaps(ev)[0][1] == OVERLOADED
+    e = the_end(ev)
+    assert e.reason == "stop" and not e.complete and e.missing_positions == list(range(stop))
+
+
+def test_a_capture_shed_by_one_rank_is_one_overloaded_gap_whatever_the_other_rank_wrote_and_the_order():
+    """Tensor-parallel ranks decide admission from their own rings and may disagree: rank 0 admits
+    and writes its slices, rank 1 sheds. The capture is one gap `overloaded`, never a run of
+    `incomplete` gaps, in whichever order the daemon reads the rings."""
+    r0 = [data(0, [0, 1, 2, 3], rank=0, expected=2, s=(0, 4)), data(1, [4], rank=0, expected=2, s=(0, 4))]
+    orders = {
+        "data, shed, end": [begin(), *r0, shed(rank=1), end(5)],
+        "end, data, shed": [begin(), end(5), *r0, shed(rank=1)],
+        "shed, data, end": [begin(), shed(rank=1), *r0, end(5)],
+        "no begin": [shed(rank=1), *r0, end(5)],
+    }
+    for name, records in orders.items():
+        r = plain()
+        ev = feed(r, *records)
+        _one_overloaded_gap(ev, 5)
+        assert r.stats["captures_shed"] == 1, name
+        assert r.held_bytes == 0 and r.in_flight() == 0, name
+
+
+def test_a_capture_shed_by_every_rank_is_counted_once():
+    r = plain()
+    ev = feed(r, begin(), shed(rank=0), shed(rank=1), end(5))
+    _one_overloaded_gap(ev, 5)
+    assert r.stats["captures_shed"] == 1
+
+
+def test_a_shed_capture_whose_end_never_comes_still_ends_as_overloaded():
+    r = Reassembler(end_grace_s=1.0)
+    feed(r, begin(), shed(rank=0), now=0.0)
+    feed(r, live(), now=1.0)
+    feed(r, live(), now=2.0)
+    ev = r.tick(3.0)
+    e = the_end(ev)
+    assert e.reason == END_LOST and not e.complete
+    assert {reason for _, reason in gaps(ev)} <= {OVERLOADED}
+
+
+def test_a_shed_capture_handed_over_to_the_next_daemon_still_ends_as_one_overloaded_gap():
+    """A graceful stop after the SHED was read and before the END: the next daemon never reads that
+    SHED again (the ring cursor moved past it), so the handover carries it."""
+    import msgspec
+
+    from vllm_tap.daemon import handover as ho
+
+    first = plain()
+    feed(first, begin(), shed(rank=0))
+    blob = msgspec.msgpack.encode(first.export_state())
+    second = plain()
+    ev = second.restore(msgspec.msgpack.decode(blob, type=list[ho.Capture]), 1.0)
+    ev += feed(second, end(5), now=1.0)
+    _one_overloaded_gap(ev, 5)

@@ -227,3 +227,18 @@ def test_a_request_aborted_by_its_client_ends_with_reason_abort(stack):
     assert 0 < cap.num_output_tokens < 400
     assert list(cap.positions) == list(range(cap.positions.size)) and not list(cap.missing_positions)
     assert list(cap.token_ids[12:]) == cap.output_token_ids[: cap.positions.size - 12]
+
+
+def test_rings_the_operator_did_not_size_are_sized_once_and_opened_at_that_size(stack):
+    """No ring_bytes in the settings: the API process sizes the rings from the model and hands the
+    size on in vLLM's config; the worker opens its ring at that size (the tiny model's rings come out
+    at the minimum, not the fixed 256 MiB default a worker would fall back to) and says so in the log."""
+    import re
+
+    from vllm_tap.hooks import ring_size
+
+    rings = [r for r in stack.client.status()["rings"] if r["rank"] >= 0]
+    assert rings and all(r["capacity"] == ring_size.MIN_RING_BYTES for r in rings), rings
+    with open(stack.server.log_path, errors="replace") as f:
+        opened = re.findall(r"vllm-tap ring \S+ of (\d+) MiB", f.read())
+    assert opened and all(int(n) << 20 == ring_size.MIN_RING_BYTES for n in opened), opened

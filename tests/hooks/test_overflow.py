@@ -5,8 +5,9 @@ token ids gathered on the "device"), a small ring, and a reader that stops for a
 catches up. Real rings, the real ring reader and the daemon's reassembler, no vLLM.
 
 What must hold: a capture hit by the burst carries exactly its dropped positions as gaps `dropped`
-(every other position delivered, with the values written), and captures that start after the
-reader is back are complete again. Before the staged publisher gave back the staging of records
+(every other position delivered, with the values written), a capture that starts while the ring is
+over half unread is shed whole (one gap `overloaded`, hooks/admission.py), and captures that start
+after the reader is back are complete again. Before the staged publisher gave back the staging of records
 the ring refused, one burst left its staging buffer full for good and every later capture came
 with no positions at all.
 """
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from vllm_tap import ring_format as rf
-from vllm_tap.daemon.reassembly import DROPPED, End, Gap, Reassembler, Tokens
+from vllm_tap.daemon.reassembly import DROPPED, OVERLOADED, End, Gap, Reassembler, Tokens
 from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView
 from vllm_tap.hooks.publisher import HostBackend, StagedPublisher, staging_bytes
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
@@ -169,7 +170,7 @@ def test_after_a_burst_of_drops_later_captures_are_whole_and_hit_ones_carry_exac
         stats = load.writer.stats()
         assert stats["records_dropped"] > 0, "the burst must overflow the ring"
         assert daemon.reasm.in_flight() == 0
-        hit = whole_after = 0
+        hit = whole_after = shed = 0
         for rid, started in load.started.items():
             evs = daemon.events[rid]
             (end,) = [e for e in evs if isinstance(e, End)]
@@ -182,6 +183,12 @@ def test_after_a_burst_of_drops_later_captures_are_whole_and_hit_ones_carry_exac
                         delivered[p] = {name: a[j] for name, a in ev.tensors.items()}
             gaps = {p: ev.reason for ev in evs if isinstance(ev, Gap) for p in ev.positions}
             assert sorted([*delivered, *gaps]) == list(range(start, stop)), rid  # every position once
+            if OVERLOADED in gaps.values():  # learned while the ring was over half unread: shed whole
+                assert [(e.positions, e.reason) for e in evs if isinstance(e, (Gap, Tokens))] == \
+                    [(range(start, stop), OVERLOADED)], rid
+                assert started >= away_from, (rid, started)
+                shed += 1
+                continue
             # A missing position is one the writer dropped and said so, and the gap says `dropped`.
             assert set(gaps.values()) <= {DROPPED}, (rid, collections.Counter(gaps.values()))
             assert set(gaps) <= daemon.drop_reports[rid], rid
@@ -195,7 +202,7 @@ def test_after_a_burst_of_drops_later_captures_are_whole_and_hit_ones_carry_exac
                 assert end.complete, (rid, started, len(gaps), end.delivered)
                 whole_after += 1
             hit += bool(gaps)
-        assert hit > 0 and whole_after > 100
+        assert hit > 0 and whole_after > 100 and shed > 0
     finally:
         daemon.close()
         load.close()
