@@ -158,6 +158,9 @@ def test_missing_positions_keep_the_daemons_reason(daemon_factory, shm_dir, tmp_
     wait_for(lambda: manifest(dest) is not None, what="the recorder's first manifest")
     ok, broken = scenario("a", n=2), scenario("b", n=1, tp=2, skip_rank=1)
     write(shm_dir, ok)
+    # Both scenarios write the same instance's ring files: the second replaces the first's, so the
+    # daemon must have numbered the first's captures before (else it never sees them).
+    wait_for(lambda: d.status()["sequence"]["next"] >= 3, what="the daemon to see the first captures")
     write(shm_dir, broken)
     wait_for(lambda: committed(dest, d, 3), what="the recorder to commit")
     assert stop(rec) == 0, rec.stderr.read().decode()
