@@ -222,9 +222,13 @@ class RingWriter:
         return self._mm
 
     def stats(self) -> dict[str, int]:
-        if self._dead:
-            return dict(self._stats_at_death)
-        return {k: c.get() for k, c in self._stats.items()}
+        # Checked first: reading the header of a file truncated under us would fault (SIGBUS).
+        with self._lock:
+            if self._fd >= 0:
+                self._usable()  # marks the ring dead (and keeps what its header said) if it lost its size
+            if self._dead:
+                return dict(self._stats_at_death)
+            return {k: c.get() for k, c in self._stats.items()}
 
     def lost(self) -> dict[str, int]:
         """What was dropped after the ring was abandoned (its header can no longer count it):
@@ -424,8 +428,11 @@ class RingWriter:
 
     def unread_bytes(self) -> int:
         """Bytes reserved in the ring that its reader has not consumed yet: how far the reader lags
-        this writer. Two loads, no lock (a racing reservation or read makes it a moment old)."""
-        return self._reserved - self._read.get()
+        this writer (0 once the ring is abandoned: its header may no longer be there to read)."""
+        with self._lock:
+            if not self._usable():
+                return 0
+            return self._reserved - self._read.get()
 
     def write_shed(self, request_id: str, meta: dict[str, Any], tap_key: str = "") -> bool:
         """A SHED record (queued like any control record) and the captures_shed count."""

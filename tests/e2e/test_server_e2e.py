@@ -215,7 +215,7 @@ def test_bad_server_setting_stops_startup_with_one_line_reason():
 
 def test_a_request_aborted_by_its_client_ends_with_reason_abort(stack):
     stream = stack.openai.completions.create(
-        model=stack.model, prompt=prompt_text(_ids(12, 7)), max_tokens=400, temperature=0.0, stream=True,
+        model=stack.model, prompt=prompt_text(_ids(12, 7)), max_tokens=1000, temperature=0.0, stream=True,
         extra_body={"vllm_xargs": {"tap": 1}, "ignore_eos": True},
     )
     first = next(iter(stream))
@@ -224,7 +224,7 @@ def test_a_request_aborted_by_its_client_ends_with_reason_abort(stack):
     stream.close()  # the client goes away: vLLM aborts the request
     cap = stack.client.fetch(first.id, timeout=60)
     assert cap.finish_reason == "abort"
-    assert 0 < cap.num_output_tokens < 400
+    assert 0 < cap.num_output_tokens < 1000
     assert list(cap.positions) == list(range(cap.positions.size)) and not list(cap.missing_positions)
     assert list(cap.token_ids[12:]) == cap.output_token_ids[: cap.positions.size - 12]
 

@@ -32,7 +32,10 @@ print(json.dumps({"files": sorted(p for p in maps | files if p and p.startswith(
 
 
 def _probe(python: str, tests: str) -> dict:
-    r = subprocess.run([python, "-c", PROBE, tests], capture_output=True, text=True, timeout=120, cwd="/")
+    # Without what vLLM's CPU platform puts in this process's LD_PRELOAD once a test imported it
+    # (torch's libgomp): the accounts' processes are started without it.
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    r = subprocess.run([python, "-c", PROBE, tests], capture_output=True, text=True, timeout=120, cwd="/", env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)
 
