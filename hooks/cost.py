@@ -10,7 +10,8 @@ between 32 and 64), the worst step, what the publisher dropped and the captures 
 while nothing it admitted is running still says so, once an interval.
 
 Rules: `add` is O(1) and allocation-free (a few integer operations; the clock is read once every
-`CHECK_EVERY` steps); a fault in logging never reaches vLLM (the caller runs under guard).
+`CHECK_EVERY` steps); the adapters call it outside their guard, so a fault in the report is caught
+here and never reaches vLLM.
 """
 
 from __future__ import annotations
@@ -55,13 +56,17 @@ class StepCost:
         self._since += 1
         if self._since >= CHECK_EVERY:
             self._since = 0
-            if time.monotonic() >= self._next:
-                self.report()
+            self.poll()
 
     def poll(self) -> None:
-        """Report now if an interval has passed (one clock read)."""
+        """Report now if an interval has passed (one clock read). Callers run outside the adapters'
+        guard: nothing from the report may reach vLLM."""
         if time.monotonic() >= self._next:
-            self.report()
+            try:
+                self.report()
+            except Exception:  # noqa: BLE001
+                self._next = time.monotonic() + self.every_s
+                log.exception("vllm-tap: the hook-cost report failed")
 
     def quantile_ns(self, q: float) -> int:
         """Upper bound of the bucket holding quantile q (0 when nothing was counted)."""
