@@ -172,14 +172,17 @@ class StreamState:
                 raise self._not_found(self.timeout)
             return self._subscribe(self.timeout - (now - self._t0))
         silent = now - self._heard
-        if silent > max(self.timeout, 3 * self.heartbeat_s):
+        limit = max(self.timeout, 3 * self.heartbeat_s)
+        # The daemon is asked to answer by `limit` (below); its answer gets one heartbeat to arrive
+        # before silence means it is gone (else a restarted daemon's "not found" loses the race).
+        if silent > limit + self.heartbeat_s:
             raise DaemonUnavailable(
                 f"lost contact with the daemon at {self.endpoint} for {silent:.1f} s while streaming "
                 f"{what} (next position {self.next_position})"
             )
         # The daemon's wait for the name counts from the first silence, not from each resend: a
         # restarted daemon that never sees this capture again says so once that time is up.
-        return self._subscribe(max(self.timeout, 3 * self.heartbeat_s) - silent)
+        return self._subscribe(limit - silent)
 
     def _not_found(self, waited: float) -> CaptureNotFound:
         return CaptureNotFound(f"no capture named {self._what()} within {waited:g} s (and no answer from a daemon "

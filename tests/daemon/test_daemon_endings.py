@@ -28,9 +28,11 @@ def _wait(cond, timeout: float = 20.0, what: str = "condition") -> None:
         time.sleep(0.02)
 
 
-def _read_everything(d) -> bool:
+def _read_everything(d, sc: Scenario) -> bool:
+    """Every ring of `sc`'s engine found and read to its end. Counting the rings matters: a ring the
+    daemon has not found yet holds data the next daemon reads from its start."""
     s = d.status()
-    return bool(s["rings"]) and all(r["pending_bytes"] == 0 for r in s["rings"])
+    return len(s["rings"]) == sc.world + 1 and all(r["pending_bytes"] == 0 for r in s["rings"])
 
 
 def _stream(client: Client, name: str, timeout: float = 20) -> tuple[list, object]:
@@ -68,7 +70,7 @@ def test_a_new_subscriber_after_a_daemon_restart_gets_every_position_once_as_dat
     eng.begin()
     for _ in range(5):
         eng.run_step()  # positions 0..10
-    _wait(lambda: _read_everything(d), what="the first daemon to read 0..10")
+    _wait(lambda: _read_everything(d, sc), what="the first daemon to read 0..10")
     d.kill()
     if end_before_restart:
         while eng.run_step():  # 11..18 and the END, written while no daemon runs
@@ -138,7 +140,7 @@ def test_a_subscriber_whose_capture_a_restarted_daemon_never_sees_again_is_told_
 
     t = threading.Thread(target=follow)
     t.start()
-    _wait(lambda: _read_everything(d) and d.status()["subscribers"] == 1, what="the stream")
+    _wait(lambda: _read_everything(d, sc) and d.status()["subscribers"] == 1, what="the stream")
     d.kill()
     d.start()  # it finds nothing of this capture in the rings: the writer wrote nothing since
     t.join(30)
@@ -156,7 +158,7 @@ def test_a_dead_writer_ends_its_captures_through_its_pidfd(daemon_factory, shm_d
                               stdout=subprocess.PIPE, text=True)
     try:
         assert json.loads(writer.stdout.readline())["steps"] == 3
-        _wait(lambda: _read_everything(d), what="the rings")
+        _wait(lambda: _read_everything(d, sc), what="the rings")
         assert {r["writer_watch"] for r in d.status()["rings"]} == {"pidfd"}
         got: dict = {}
         t = threading.Thread(target=lambda: got.update(r=_stream(d.client(), sc.request_id(0))))
@@ -221,7 +223,7 @@ def test_captures_end_after_the_daemon_is_stopped_resumed_and_stopped_again_then
         eng.begin()
         for _ in range(3):
             eng.run_step()
-        _wait(lambda: _read_everything(d), what="the first steps")
+        _wait(lambda: _read_everything(d, sc), what="the first steps")
         os.kill(d.proc.pid, signal.SIGSTOP)
         while eng.run_step():  # the rest and every END, while the daemon is stopped
             pass
@@ -232,7 +234,7 @@ def test_captures_end_after_the_daemon_is_stopped_resumed_and_stopped_again_then
         else:
             assert d.stop() == 0, d.log()
         d.start()  # vLLM is idle: only its LIVE timer writes
-        _wait(lambda: _read_everything(d) and d.status()["requests_in_flight"] == 0, 30,
+        _wait(lambda: _read_everything(d, sc) and d.status()["requests_in_flight"] == 0, 30,
               "every capture the new daemon saw to end")
         caps = _fetch_known(d.client(), [sc.request_id(i) for i in range(sc.n_requests)], timeout=2)
     finally:

@@ -28,9 +28,9 @@ import uuid
 import numpy as np
 import pytest
 
+from bad_options import BAD, NEEDS
 from reference import tiny_model
 from server_stack import ServerStack
-from test_spec import BAD, NEEDS
 from vllm_tap.client import CaptureNotFound
 from vllm_tap.client.records import CaptureBuilder
 from vllm_tap.policy import selects
@@ -302,8 +302,11 @@ def _rss_mib(pgid: int, field: str = "RssAnon") -> dict[int, tuple[str, float]]:
 # -- a daemon stopped, resumed and stopped again while captures run, restarted while vLLM is idle --
 
 
-def _run_while_the_daemon_is_stopped(stack, n: int = 8) -> list[str]:
-    """SIGSTOP the daemon, run n capturing requests to their end (ENDs written), SIGCONT."""
+def _run_while_the_daemon_is_stopped(stack, n: int = 8, resume: bool = True) -> list[str]:
+    """SIGSTOP the daemon, run n capturing requests to their end (ENDs written), SIGCONT unless
+    `resume` is false (the caller kills it while stopped: it reads nothing more)."""
+    if stack.daemon.proc.poll() is not None:  # a test before this one failed with the daemon down
+        stack.daemon.start()
     stack.sync()
     os.kill(stack.daemon.proc.pid, signal.SIGSTOP)
     try:
@@ -311,7 +314,8 @@ def _run_while_the_daemon_is_stopped(stack, n: int = 8) -> list[str]:
             rs = list(ex.map(lambda i: stack.complete(prompt_text(_ids(10 + i, 40 + i)), {"tap": 1}, max_tokens=24),
                              range(n)))
     finally:
-        os.kill(stack.daemon.proc.pid, signal.SIGCONT)
+        if resume:
+            os.kill(stack.daemon.proc.pid, signal.SIGCONT)
     return [r.id for r in rs]
 
 
@@ -351,7 +355,8 @@ def test_captures_whose_end_a_killed_daemon_took_end_with_vllm_idle(stack):
     nothing of them runs: they end `end lost` within seconds (before: never, `ended: false`)."""
     from vllm_tap.ring_reader import RingReader
 
-    ids = _run_while_the_daemon_is_stopped(stack)
+    # Killed while still stopped: resumed first, it could read the ENDs before the SIGKILL lands.
+    ids = _run_while_the_daemon_is_stopped(stack, resume=False)
     stack.daemon.proc.kill()
     stack.daemon.proc.wait()
     engine = RingReader(os.path.join(stack.shm, "pol", "engine.ring"))

@@ -141,3 +141,20 @@ def test_every_test_module_that_starts_vllm_is_marked():
             (marked if _marked_vllm(tree) else unmarked if starts else []).append(os.path.relpath(path, tests))
     assert unmarked == []
     assert "e2e/test_server_e2e.py" in marked and "hooks/test_hook_offline.py" in marked
+
+
+def test_no_test_module_imports_one_of_another_folder():
+    """Shared test helpers live in tests/support: a test module of another folder is importable only
+    when pytest collected that folder first, so the importing module fails when run alone."""
+    tests = os.path.join(REPO, "tests")
+    where = {n[:-3]: d for d, _, files in os.walk(tests) for n in files if n.startswith("test_") and n.endswith(".py")}
+    found = []
+    for d, _, files in sorted(os.walk(tests)):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(d, name)
+                with open(path) as f:
+                    tree = ast.parse(f.read(), path)
+                found += [f"{os.path.relpath(path, tests)} imports {m}" for m in sorted(_imports(tree) & set(where))
+                          if where[m] != d]
+    assert found == []
