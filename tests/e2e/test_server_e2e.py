@@ -11,8 +11,10 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import shutil
+import signal
 import tempfile
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -214,6 +216,13 @@ def test_bad_server_setting_stops_startup_with_one_line_reason():
 
 
 def test_a_request_aborted_by_its_client_ends_with_reason_abort(stack):
+    """The engine core is stopped while the client goes away: the abort is queued before the
+    request can run to its length (with the engine running, a loaded box let 1000 tokens finish
+    before the abort arrived)."""
+    from vllm_tap.tools.bench.serving import server_roles
+
+    engine = [pid for pid, role in server_roles(stack.server.proc.pid).items() if role == "engine"]
+    assert len(engine) == 1, server_roles(stack.server.proc.pid)
     stream = stack.openai.completions.create(
         model=stack.model, prompt=prompt_text(_ids(12, 7)), max_tokens=1000, temperature=0.0, stream=True,
         extra_body={"vllm_xargs": {"tap": 1}, "ignore_eos": True},
@@ -221,7 +230,12 @@ def test_a_request_aborted_by_its_client_ends_with_reason_abort(stack):
     first = next(iter(stream))
     for _ in range(3):
         next(stream)
-    stream.close()  # the client goes away: vLLM aborts the request
+    os.kill(engine[0], signal.SIGSTOP)
+    try:
+        stream.close()  # the client goes away: vLLM's API process sends the engine an abort
+        time.sleep(1.0)
+    finally:
+        os.kill(engine[0], signal.SIGCONT)
     cap = stack.client.fetch(first.id, timeout=60)
     assert cap.finish_reason == "abort"
     assert 0 < cap.num_output_tokens < 1000
