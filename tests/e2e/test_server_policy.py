@@ -34,6 +34,7 @@ from server_stack import ServerStack
 from vllm_tap.client import CaptureNotFound
 from vllm_tap.client.records import CaptureBuilder
 from vllm_tap.policy import selects
+from vllm_tap.ring_writer import RingWriter
 from vllm_tap.spec import MAX_INDICES
 from vllm_tap.tools.launch import ServerHandle, cpu_server_args, free_port, tap_server_args
 from vllm_tap.tools.tiny_model import TinyLlamaSpec, prompt_text
@@ -397,7 +398,9 @@ def test_vllm_memory_stays_flat_while_the_daemon_is_stopped(stack):
     grows by itself while it warms (RssAnon, same test without capture: +18, +24, +30, +39, +41,
     +42 MiB at 10 s intervals after the warm-up; with capture and the backlog at its bound: +40,
     +64, +70, +77, +79, +81), so the test bounds the growth of the last 30 s, where a backlog that
-    is not bounded shows at once."""
+    is not bounded shows at once (~180 MiB). The bound is 64 MiB: a loaded CI box once saw the
+    worker step up by 33 MiB within 10 s late in the run (+5, +8, +8, +8, +41, +47), a jump, not
+    the steady climb of a backlog; the backlog's own bound is checked in the ring's header."""
     stack.daemon.stop()
     stop_at = time.monotonic() + 85
     done = [0]
@@ -436,9 +439,10 @@ def test_vllm_memory_stays_flat_while_the_daemon_is_stopped(stack):
     for p in _rings(stack):
         s = _ring_stats(p)
         assert s["records_dropped"] > 0 or s["control_dropped"] > 0 or os.path.basename(p) == "engine.ring"
+        assert s["control_backlog"] <= RingWriter.__init__.__kwdefaults__["max_backlog_records"]
     half = len(samples) // 2
     late = {samples[0][p][0]: samples[-1][p][1] - samples[half][p][1] for p in samples[0] if p in samples[-1]}
-    assert all(g < 24 for g in late.values()), (late, trace)
+    assert all(g < 64 for g in late.values()), (late, trace)
     assert all(g < 160 for g in growth.values()), (growth, trace)
     assert stack.server.proc.poll() is None
 
