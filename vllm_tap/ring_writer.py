@@ -65,6 +65,8 @@ _STEP_OFFSET = 32
 _COUNTS = struct.Struct("<QQ")
 assert (_RECORDS_WRITTEN, _BYTES_WRITTEN) == (0, 1)
 _MAX_PREPARED = 256  # prepared record prefixes kept per writer
+MAX_BACKLOG_RECORDS = 1 << 15  # control records queued while the ring is full, at most (default)
+MAX_BACKLOG_BYTES = 8 << 20  # ... and their bytes
 
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.13 names it
@@ -145,8 +147,8 @@ class RingWriter:
         group: str | None = None,
         block_timeout: float = 0.0,
         wake_daemon: bool = True,
-        max_backlog_records: int = 1 << 15,
-        max_backlog_bytes: int = 8 << 20,
+        max_backlog_records: int = MAX_BACKLOG_RECORDS,
+        max_backlog_bytes: int = MAX_BACKLOG_BYTES,
     ):
         if capacity < 4 * rf.ALIGN or capacity % rf.ALIGN:
             raise ValueError(f"ring capacity must be a multiple of {rf.ALIGN} and at least {4 * rf.ALIGN}")

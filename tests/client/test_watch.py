@@ -11,29 +11,21 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import msgpack
 import numpy as np
 import pytest
 import zmq
 
-from synthetic_writer import Scenario, SyntheticEngine, assert_capture, capture_arrays, expected
+from synthetic_writer import Scenario, SyntheticEngine, assert_capture, capture_arrays, expected, write_scenario
 from watch_recorder import digest, read_lines
 from vllm_tap import wire_format as wf
 from vllm_tap.client import (
     AsyncClient, Client, Chunk, LostCaptures, WatchData, WatchedCapture, WatchEnd, WatchRejected, WatchStart,
 )
 from project_layout import SUPPORT
+from waiting import wait_until as _wait
 
-
-
-def _wait(cond, timeout: float = 20.0, what: str = "condition", every: float = 0.02) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(every)
 
 
 class Collector:
@@ -67,16 +59,6 @@ def _run_writer(shm_dir: str, sc: Scenario, step_sleep: float = 0.0) -> None:
                         "--step-sleep", str(step_sleep)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["dropped"] == 0
-
-
-def _write(shm_dir: str, sc: Scenario) -> None:
-    """The synthetic engine in this process (saves a process start where a separate writer adds nothing)."""
-    eng = SyntheticEngine(sc, shm_dir)
-    try:
-        eng.run()
-        assert eng.flush() and eng.dropped == 0
-    finally:
-        eng.close()
 
 
 def _index(sc: Scenario, request_id: str) -> int:
@@ -354,7 +336,7 @@ def test_a_watcher_that_stops_reading_learns_what_it_missed_and_others_are_unaff
 
 def test_bad_filters_and_a_since_in_the_future_are_clear_errors(daemon_proc, shm_dir):
     c = daemon_proc.client()
-    _write(shm_dir, Scenario(n_requests=2, tp=1))
+    write_scenario(shm_dir, Scenario(n_requests=2, tp=1))
     _wait(lambda: daemon_proc.status()["sequence"]["last"] == 2, 10, "two captures")
     for kw, words in [({"since": 3}, "since 3 is in the future: the newest capture of this daemon is seq 2"),
                       ({"source": "everything"}, "'source' must be one of client, policy"),
@@ -435,11 +417,11 @@ def test_async_watch(daemon_proc, shm_dir):
 
 def test_sequence_numbers_continue_after_a_clean_restart_and_skip_after_a_crash(daemon_factory, shm_dir):
     d = daemon_factory(end_grace_s=1.0)
-    _write(shm_dir, Scenario(n_requests=2, tp=1, prefix="a"))
+    write_scenario(shm_dir, Scenario(n_requests=2, tp=1, prefix="a"))
     _wait(lambda: d.status()["sequence"]["last"] == 2, 10, "two captures")
     assert d.stop() == 0
     d.start()
-    _write(shm_dir, Scenario(n_requests=1, tp=1, prefix="b"))
+    write_scenario(shm_dir, Scenario(n_requests=1, tp=1, prefix="b"))
     _wait(lambda: d.status()["sequence"]["last"] == 3, 10, "seq 3 right after a clean restart")
     items = []
     for item in d.client().watch(since=1):
@@ -450,7 +432,7 @@ def test_sequence_numbers_continue_after_a_clean_restart_and_skip_after_a_crash(
     assert items[-1].seq == 3 and items[-1].request_id == "b-0"
     d.kill()
     d.start()
-    _write(shm_dir, Scenario(n_requests=1, tp=1, prefix="c"))
+    write_scenario(shm_dir, Scenario(n_requests=1, tp=1, prefix="c"))
     _wait(lambda: (lambda q: q["last"] >= q["run_first"])(d.status()["sequence"]), 10, "a capture after the crash")
     q = d.status()["sequence"]
     assert q["run_first"] > 3 and q["last"] == q["run_first"]  # the dead run's reserved block is skipped

@@ -30,15 +30,8 @@ from vllm_tap.ring_records import TensorId
 from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_writer import RingWriter
 from project_layout import SUPPORT
+from waiting import wait_until as _wait
 
-
-
-def _wait(cond, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def _fetch_in_child(endpoint: str, names: list[str], q, env: dict | None = None) -> None:

@@ -20,7 +20,7 @@ import time
 import pytest
 import zmq
 
-from synthetic_writer import Scenario, SyntheticEngine, assert_capture, capture_arrays
+from synthetic_writer import Scenario, assert_capture, capture_arrays, write_scenario
 from vllm_tap.client import Client, DaemonUnavailable, KeyFileError, Refused
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
@@ -41,15 +41,6 @@ def _keygen(directory: str, name: str) -> tuple[str, str]:
     r = _cli("keygen", directory, "--name", name)
     assert r.returncode == 0, r.stderr
     return os.path.join(directory, f"{name}.key"), os.path.join(directory, f"{name}.key_secret")
-
-
-def _write(shm_dir: str, sc: Scenario) -> None:
-    eng = SyntheticEngine(sc, shm_dir)
-    try:
-        eng.run()
-        assert eng.flush() and eng.dropped == 0
-    finally:
-        eng.close()
 
 
 @pytest.fixture
@@ -117,7 +108,7 @@ def test_curve_refuses_clients_without_an_allowed_key_and_serves_those_with_one(
     alice = Client(at, server_key=keys["server_pub"], client_key=keys["alice"])
     _wait_status(alice)
     sc = Scenario(n_requests=2, tp=2, prefix="cv")
-    _write(shm_dir, sc)
+    write_scenario(shm_dir, sc)
     for i in range(sc.n_requests):
         assert_capture(sc, i, capture_arrays(alice.fetch(sc.request_id(i), timeout=10)))
 

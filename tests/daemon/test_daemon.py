@@ -21,6 +21,7 @@ from vllm_tap import wire_format as wf
 from vllm_tap.client import AmbiguousCapture, CaptureEvicted, Chunk, Client, DaemonStopped, Gap
 from vllm_tap.daemon.reassembly import Begin, End, Tokens
 from vllm_tap.daemon.store import LookupFailed, Store
+from waiting import wait_until as _wait
 
 
 def _fetch_in_child(endpoint: str, names: list[str], q) -> None:
@@ -34,14 +35,6 @@ def _fetch_in_child(endpoint: str, names: list[str], q) -> None:
         q.put(out)
     except BaseException as e:  # report, don't hang the parent
         q.put(repr(e))
-
-
-def _wait(cond, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def _idle(d) -> bool:

@@ -18,14 +18,7 @@ import pytest
 from synthetic_writer import Scenario, SyntheticEngine, expected
 from vllm_tap.client import CaptureLost, CaptureNotFound, Chunk, Client, Gap
 from vllm_tap.daemon.reassembly import END_LOST, NOT_CAPTURED_PREVIOUS, WRITER_GONE
-
-
-def _wait(cond, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+from waiting import wait_until as _wait
 
 
 def _read_everything(d, sc: Scenario) -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 import urllib.request
 
 import numpy as np
@@ -16,18 +15,11 @@ from ring_forge import RingForge, control, data, entry, pack
 from vllm_tap import ring_format as rf
 from vllm_tap.client import CaptureNotFound
 from vllm_tap.spec import CaptureSpec
+from waiting import wait_until as _wait
 
 BEGIN, END = rf.RecordKind.BEGIN, rf.RecordKind.END
 SPEC = CaptureSpec().to_meta()
 W = 4  # logits width of the forged records
-
-
-def _wait(cond, timeout: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def _port() -> int:

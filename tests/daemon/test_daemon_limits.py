@@ -19,16 +19,9 @@ from vllm_tap import ring_format as rf
 from vllm_tap import wire_format as wf
 from vllm_tap.client import Client, Refused
 from vllm_tap.spec import CaptureSpec
+from waiting import wait_until as _wait
 
 W = 4
-
-
-def _wait(cond, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _capture(shm_dir: str, rid: str, instance: str = "default") -> None:

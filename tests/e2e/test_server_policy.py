@@ -34,7 +34,7 @@ from server_stack import ServerStack
 from vllm_tap.client import CaptureNotFound
 from vllm_tap.client.records import CaptureBuilder
 from vllm_tap.policy import selects
-from vllm_tap.ring_writer import RingWriter
+from vllm_tap.ring_writer import MAX_BACKLOG_RECORDS
 from vllm_tap.spec import MAX_INDICES
 from vllm_tap.tools.launch import ServerHandle, cpu_server_args, free_port, tap_server_args
 from vllm_tap.tools.tiny_model import TinyLlamaSpec, prompt_text
@@ -439,7 +439,7 @@ def test_vllm_memory_stays_flat_while_the_daemon_is_stopped(stack):
     for p in _rings(stack):
         s = _ring_stats(p)
         assert s["records_dropped"] > 0 or s["control_dropped"] > 0 or os.path.basename(p) == "engine.ring"
-        assert s["control_backlog"] <= RingWriter.__init__.__kwdefaults__["max_backlog_records"]
+        assert s["control_backlog"] <= MAX_BACKLOG_RECORDS
     half = len(samples) // 2
     late = {samples[0][p][0]: samples[-1][p][1] - samples[half][p][1] for p in samples[0] if p in samples[-1]}
     assert all(g < 64 for g in late.values()), (late, trace)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 
 import numpy as np
 import torch
@@ -28,6 +27,7 @@ from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
 from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_writer import RingWriter
 from vllm_tap.spec import CaptureSpec, LogitsMode
+from waiting import wait_until
 
 HIDDEN, VOCAB, LAYERS = 32, 1024, (1, 3)
 PROMPT = 8
@@ -41,13 +41,6 @@ def _unread(writer: RingWriter) -> int:
     w = int.from_bytes(mm[rf.WRITE_CURSOR_OFFSET : rf.WRITE_CURSOR_OFFSET + 8], "little")
     r = int.from_bytes(mm[rf.READ_CURSOR_OFFSET : rf.READ_CURSOR_OFFSET + 8], "little")
     return w - r
-
-
-def _wait(cond, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 class _Worker:
@@ -137,7 +130,7 @@ def test_captures_learned_while_the_ring_is_over_half_full_are_shed_whole_and_ad
             w.begin(rid, gen_len=120)
         for _ in range(3):  # at a pace the daemon keeps up with
             w.step()
-            _wait(lambda: _unread(w.writer) == 0, "the daemon to read a step")
+            wait_until(lambda: _unread(w.writer) == 0, 30, "the daemon to read a step")
         os.kill(d.proc.pid, signal.SIGSTOP)  # the daemon falls behind
         try:
             while _unread(w.writer) < RING_BYTES * 0.6:
@@ -150,12 +143,12 @@ def test_captures_learned_while_the_ring_is_over_half_full_are_shed_whole_and_ad
             assert w.writer.stats()["records_dropped"] == 0, "the early captures must fit"
         finally:
             os.kill(d.proc.pid, signal.SIGCONT)
-        _wait(lambda: _unread(w.writer) == 0, "the daemon to catch up")
+        wait_until(lambda: _unread(w.writer) == 0, 30, "the daemon to catch up")
         for rid in late:
             w.begin(rid, gen_len=6)
         while w.running:
             w.step()
-            _wait(lambda: _unread(w.writer) == 0, "the daemon to read a step")
+            wait_until(lambda: _unread(w.writer) == 0, 30, "the daemon to read a step")
         client = d.client()
         for rid in early + late:
             cap = client.fetch(rid, timeout=30)
@@ -187,7 +180,7 @@ def test_a_capture_one_tensor_parallel_rank_sheds_and_another_admits_is_one_over
         for rid in early:
             w.begin(rid, gen_len=100)
         w.step()
-        _wait(lambda: w.unread() == 0, "the daemon to read the first step")
+        wait_until(lambda: w.unread() == 0, 30, "the daemon to read the first step")
         os.kill(d.proc.pid, signal.SIGSTOP)
         try:
             while w.unread() < RING_BYTES * 0.6:
@@ -202,7 +195,7 @@ def test_a_capture_one_tensor_parallel_rank_sheds_and_another_admits_is_one_over
             os.kill(d.proc.pid, signal.SIGCONT)
         while w.running:
             w.step()
-            _wait(lambda: w.unread() == 0, "the daemon to read a step")
+            wait_until(lambda: w.unread() == 0, 30, "the daemon to read a step")
         client = d.client()
         _one_overloaded_gap(client, "split", PROMPT + 4 - 1)
         for rid in early:

@@ -127,18 +127,30 @@ def _marked_vllm(tree: ast.Module) -> bool:
     return False
 
 
-def test_every_test_module_that_starts_vllm_is_marked():
+def _test_files() -> list[tuple[str, ast.Module]]:
+    """(path relative to tests/, parsed tree) of every Python file under tests/."""
     tests = os.path.join(REPO, "tests")
-    unmarked, marked = [], []
-    for d, _, files in sorted(os.walk(tests)):  # tests/<part>/test_*.py
+    out = []
+    for d, _, files in sorted(os.walk(tests)):
         for name in sorted(files):
-            if not (name.startswith("test_") and name.endswith(".py")):
-                continue
-            path = os.path.join(d, name)
-            with open(path) as f:
-                tree = ast.parse(f.read(), path)
-            starts = any(m == s or m.startswith(s + ".") for m in _imports(tree) for s in STARTS_VLLM)
-            (marked if _marked_vllm(tree) else unmarked if starts else []).append(os.path.relpath(path, tests))
+            if name.endswith(".py"):
+                path = os.path.join(d, name)
+                with open(path) as f:
+                    out.append((os.path.relpath(path, tests), ast.parse(f.read(), path)))
+    return out
+
+
+def _is_test_module(rel: str) -> bool:
+    return os.path.basename(rel).startswith("test_")
+
+
+def test_every_test_module_that_starts_vllm_is_marked():
+    unmarked, marked = [], []
+    for rel, tree in _test_files():  # tests/<part>/test_*.py
+        if not _is_test_module(rel):
+            continue
+        starts = any(m == s or m.startswith(s + ".") for m in _imports(tree) for s in STARTS_VLLM)
+        (marked if _marked_vllm(tree) else unmarked if starts else []).append(rel)
     assert unmarked == []
     assert "e2e/test_server_e2e.py" in marked and "hooks/test_hook_offline.py" in marked
 
@@ -146,15 +158,8 @@ def test_every_test_module_that_starts_vllm_is_marked():
 def test_no_test_module_imports_one_of_another_folder():
     """Shared test helpers live in tests/support: a test module of another folder is importable only
     when pytest collected that folder first, so the importing module fails when run alone."""
-    tests = os.path.join(REPO, "tests")
-    where = {n[:-3]: d for d, _, files in os.walk(tests) for n in files if n.startswith("test_") and n.endswith(".py")}
-    found = []
-    for d, _, files in sorted(os.walk(tests)):
-        for name in sorted(files):
-            if name.endswith(".py"):
-                path = os.path.join(d, name)
-                with open(path) as f:
-                    tree = ast.parse(f.read(), path)
-                found += [f"{os.path.relpath(path, tests)} imports {m}" for m in sorted(_imports(tree) & set(where))
-                          if where[m] != d]
+    files = _test_files()
+    where = {os.path.basename(rel)[:-3]: os.path.dirname(rel) for rel, _ in files if _is_test_module(rel)}
+    found = [f"{rel} imports {m}" for rel, tree in files for m in sorted(_imports(tree) & set(where))
+             if where[m] != os.path.dirname(rel)]
     assert found == []

@@ -330,6 +330,17 @@ class SyntheticEngine:
             w.close(unlink=unlink)
 
 
+def write_scenario(shm_dir: str, sc: Scenario) -> None:
+    """The whole scenario written by an engine in this process, nothing dropped (a separate writer
+    process adds nothing where the test only needs the rings filled)."""
+    eng = SyntheticEngine(sc, shm_dir)
+    try:
+        eng.run()
+        assert eng.flush() and eng.dropped == 0
+    finally:
+        eng.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("shm_dir")
