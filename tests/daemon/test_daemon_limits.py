@@ -18,6 +18,7 @@ from ring_forge import RingForge, control, data, entry
 from vllm_tap import ring_format as rf
 from vllm_tap import wire_format as wf
 from vllm_tap.client import Client, Refused
+from vllm_tap.client.sync import parse_status
 from vllm_tap.spec import CaptureSpec
 from waiting import wait_until as _wait
 
@@ -84,13 +85,15 @@ def test_1100_idle_connections_against_1024_descriptors_do_not_abort_the_daemon(
 @pytest.mark.parametrize("setting", ["max_connections_per_peer", "max_connections"])
 def test_connections_beyond_the_caps_are_refused_with_an_error(daemon_factory, shm_dir, many_fds, setting):
     d = daemon_factory(**{setting: 4})
-    # The start-up check's connection (and each status call's) counts until its disconnect is seen:
-    # two calls in a row that each see only themselves leave no earlier connection counted.
-    _wait(lambda: all(d.status()["connections"]["open"] <= 1 for _ in range(2)), what="no other connection open")
-    idle = _dealers(many_fds, d.endpoint, 4)
-    for s in idle:  # make sure each completed its handshake (and is counted)
+    # The start-up check's connection (and any status call's) counts until its disconnect is seen,
+    # which may come after a later connection's handshake: the first idle connection asks, over
+    # itself, until it is the only one counted, and no other connection is made meanwhile.
+    first = _dealers(many_fds, d.endpoint, 1)[0]
+    _wait(lambda: _open_as_seen_by(first) == 1, what="no other connection open")
+    idle = [first] + _dealers(many_fds, d.endpoint, 3)
+    for s in idle[1:]:  # make sure each completed its handshake (and is counted)
         s.send_multipart(wf.StatusRequest(1).frames())
-        assert s.poll(5000)
+        assert s.poll(5000), "a connection within the cap got no answer"
         s.recv_multipart()
     # The daemon counts connections from its monitor on a thread of its own, and decides each on its
     # loop: one that arrives as the cap is reached may be decided before it is counted. So a client
@@ -114,6 +117,12 @@ def test_connections_beyond_the_caps_are_refused_with_an_error(daemon_factory, s
     _wait(lambda: _status_or_none(d) is not None, what="room for a connection again")
     assert _status_or_none(d)["connections"]["refused"] >= 1
     assert "connection refused" in d.log()
+
+
+def _open_as_seen_by(sock: zmq.Socket) -> int:
+    sock.send_multipart(wf.StatusRequest(1).frames())
+    assert sock.poll(5000), "the first connection got no answer"
+    return parse_status(sock.recv_multipart())["connections"]["open"]
 
 
 def _status_or_none(d) -> dict | None:
