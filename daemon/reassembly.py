@@ -40,6 +40,11 @@ Rules for what is expected and when a capture ends:
 - Bytes held here (pending groups, ready chunks) are counted per request and in `held_bytes`, so
   the daemon can keep all captures in flight inside a budget.
 
+A DATA record of whole tensors may come read whole (a DataBatch: the daemon's ring reader): a
+capture whose step is all in it and comes next in order takes a direct way, its rows of each
+tensor delivered as one Tokens chunk of views into the record's buffer, with no group; anything
+else is fed as the record's single records would be. Either way the events are the same.
+
 Where arrays live (the one copy): the reassembler is given an allocator (`alloc(shape, dtype) ->
 array | None`, the daemon's delivery arena; None here means numpy's heap). Before a DATA record's
 payload is read, the ring reader asks `target()` where its rows go: a whole tensor gets an array
@@ -66,7 +71,7 @@ from vllm_tap import ring_format as rf
 from vllm_tap import ring_schema
 from vllm_tap.daemon import handover as ho
 from vllm_tap.positions import PositionRanges
-from vllm_tap.ring_records import RingRecord, TensorId
+from vllm_tap.ring_records import DataBatch, RingRecord, TensorId
 from vllm_tap.spec import CaptureSpec
 
 log = logging.getLogger(__name__)
@@ -220,6 +225,44 @@ def _tensor_name(tid: TensorId) -> str:
     return name
 
 
+class _Named(dict):
+    """A batch's sections by tensor name, in the order single records assemble them, with their
+    DType codes (one dict, shared by the batch's Tokens)."""
+
+    dtypes: dict[str, int]
+    row_bytes: int  # one position's bytes: every tensor's row, its position and its token id
+
+
+def batch_names(batch: DataBatch) -> _Named:
+    named = _Named()
+    named.dtypes = {}
+    named.row_bytes = batch.positions.itemsize + batch.token_ids.itemsize
+    for tid, dtype, a in sorted(batch.sections, key=lambda s: (s[0].kind, s[0].layer)):
+        name = _tensor_name(tid)
+        named[name] = a
+        named.dtypes[name] = dtype
+        named.row_bytes += a.shape[1] * a.itemsize
+    return named
+
+
+def _new_tokens(instance: str, request_id: str, positions: np.ndarray, token_ids: np.ndarray, num_prompt_tokens: int,
+                tensors: dict[str, np.ndarray], dtypes: dict[str, int], at: float, nbytes: int) -> Tokens:
+    """Tokens(...) without the frozen dataclass's per-field setattr (once per request and step on the
+    daemon's hot path), its nbytes known beforehand."""
+    t = object.__new__(Tokens)
+    t.__dict__.update(instance=instance, request_id=request_id, positions=positions, token_ids=token_ids,
+                      num_prompt_tokens=num_prompt_tokens, tensors=tensors, dtypes=dtypes, at=at, nbytes=nbytes)
+    return t
+
+
+def _overlaps_ready(req: _Request, p0: int) -> bool:
+    """A chunk waiting for delivery reaches p0 or past it."""
+    for item in req.ready:
+        if item[3].stop > p0:
+            return True
+    return False
+
+
 def _record_bytes(r: RingRecord) -> int:
     return (r.data.nbytes if r.data is not None else 0) + r.positions.nbytes + r.token_ids.nbytes
 
@@ -359,6 +402,7 @@ class Reassembler:
         self._resumed: set[str] = set()  # rings a previous daemon had been reading
         self._last_live_at: float | None = None
         self.held_bytes = 0
+        self.direct = 0  # (capture, record) pairs of DataBatches that took the direct way (feed_batch)
         self.stats = {"records": 0, "late_records": 0, "duplicate_records": 0, "bad_records": 0,
                       "past_end_records": 0, "rejected_records": 0, "requests_started": 0, "requests_finished": 0,
                       "missing_positions": 0, "live_records": 0, "ends_lost": 0, "captures_cut": 0,
@@ -424,6 +468,101 @@ class Reassembler:
         elif kind == rf.RecordKind.SHED:
             self._on_shed(record, now, out)
         return out
+
+    def feed_batch(self, batch: DataBatch, now: float) -> list[Event]:
+        """A DATA record read whole: the same events as feeding batch.records(i) for every group,
+        in table order. A capture whose step is all in this record and comes next (one rank, no
+        step pending, positions consecutive from its frontier, before its END's stop) takes the direct way: its rows of
+        each section become one Tokens chunk at once (views, no copy, no group). Anything else
+        takes the way of single records."""
+        out: list[Event] = []
+        nsec = len(batch.sections)
+        stats = self.stats
+        stats["records"] += len(batch.groups) * nsec
+        names = batch_names(batch)
+        requests = self._requests
+        groups = batch.groups
+        if groups is ring_schema.one_row_each(len(groups)):
+            # A decode step (row i is request i's): every row's views at once, not one slice each.
+            starts = batch.positions.tolist()
+            pos_rows = list(batch.positions[:, None])
+            id_rows = list(batch.token_ids[:, None])
+            sec_rows = [(name, list(a[:, None, :])) for name, a in names.items()]
+        else:
+            starts = None
+        for i, (slot, rows) in enumerate(groups):
+            e = batch.entries[slot]
+            req = requests.get(e.request_id)
+            if (req is None or e.expected_ranks != 1 or e.rank_parts != nsec or req.groups or req.frontier is None
+                    or req.shed is not None or req.cut is not None or req.tail
+                    or (req.spec is None and req.start is None) or not (rows is None or type(rows) is slice)):
+                for r in batch.records(i):
+                    self._on_data(r, now, out)
+                continue
+            if starts is not None:
+                n = 1
+                p0 = starts[i]
+            else:
+                pos = batch.positions if rows is None else batch.positions[rows]
+                n = len(pos)
+                p0 = int(pos[0])
+            if (p0 < req.frontier or (req.stop is not None and p0 + n > req.stop)
+                    or (n > 1 and (int(pos[-1]) - p0 != n - 1 or not bool(np.all(np.diff(pos) == 1))))
+                    or (req.ready and _overlaps_ready(req, p0))):
+                for r in batch.records(i):  # a recompute, a duplicate, past the end, or positions out of order
+                    self._on_data(r, now, out)
+                continue
+            self.direct += 1
+            req.records += 1
+            req.last_record_at = now
+            if req.live_absent or req.lost_at is not None:
+                req.live_absent = 0
+                req.lost_at = None
+            req.sources.add(batch.ring)
+            if req.num_prompt_tokens == 0:
+                req.num_prompt_tokens = e.num_prompt_tokens
+            if p0 + n - 1 > req.max_seen:
+                req.max_seen = p0 + n - 1
+            if starts is not None:
+                pos, ids = pos_rows[i], id_rows[i]
+                tensors = {name: rs[i] for name, rs in sec_rows}
+            else:
+                ids = batch.token_ids if rows is None else batch.token_ids[rows]
+                tensors = {name: a if rows is None else a[rows] for name, a in names.items()}
+            tok = _new_tokens(self.instance, req.request_id, pos, ids, req.num_prompt_tokens or e.num_prompt_tokens,
+                              tensors, names.dtypes, now, n * names.row_bytes)
+            if not self._in_order(req, tok, p0, n, now, out):
+                self._push(req, _Chunk(p0, p0 + n, tok))
+                self._pump(req, now, out)
+        return out
+
+    def _in_order(self, req: _Request, tok: Tokens, p0: int, n: int, now: float, out: list[Event]) -> bool:
+        """What _push then _pump would do with the next chunk of a capture, done directly in the two
+        cases of every decode step: nothing waits and the chunk goes out (no position held back),
+        or the one chunk held back (HOLD_NEWEST) goes out and this one is held in its place.
+        False: neither case; nothing was done."""
+        lim = self._limit(req)
+        ready = req.ready
+        if not ready:
+            if p0 != req.frontier or (lim is not None and p0 + n > lim):
+                return False
+            req.delivered += n
+            req.frontier = p0 + n
+            out.append(tok)
+            if req.stop is not None and req.frontier >= req.stop:
+                self._finish(req, now, out, None)
+            return True
+        if len(ready) != 1 or req.stop is not None or lim is None:
+            return False
+        held = ready[0][3]
+        if held.tokens is None or held.start != req.frontier or held.stop != p0 or not held.stop <= lim <= p0:
+            return False
+        ready[0] = (p0, 0, next(self._seq), _Chunk(p0, p0 + n, tok))  # a heap of one
+        self._account(req, tok.nbytes - held.tokens.nbytes)
+        req.delivered += held.stop - held.start
+        req.frontier = held.stop
+        out.append(held.tokens)
+        return True
 
     def reject(self, request_ids: Iterable[str], why: str, now: float) -> list[Event]:
         """A record naming these requests did not fit the schema: end them, saying so."""

@@ -18,10 +18,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from vllm_tap import ring_format as rf
 from vllm_tap.doorbell import Doorbell
 from vllm_tap.ring_files import RingFormatError
 from vllm_tap.ring_reader import RingBroken, RingReader
+from vllm_tap.ring_records import DataBatch
 from vllm_tap.ring_schema import tensor_id
 from vllm_tap.safe_paths import UnsafePath
 
@@ -82,6 +85,10 @@ class RingSide:
 
         return sink
 
+    def _batch_alloc(self, nbytes: int) -> Any:
+        """Where a record read whole (a DataBatch) goes: one region of the arena for all of it."""
+        return self.arena.alloc((nbytes,), np.uint8) if self.arena is not None else None
+
     def _discover(self, now: float) -> None:
         if self._doorbell is None:
             self._doorbell = Doorbell.bind(self.config.shm_dir)
@@ -122,6 +129,7 @@ class RingSide:
                             " (further refused files are only counted: `vllm-tap status`)")
             return
         reader.sink = self._sink(c.instance)
+        reader.batch_alloc = self._batch_alloc
         ring = self._rings[c.key] = OpenRing(reader, c.instance, c.dir_fd, checked=now)
         if reader.resumed:
             self._reassembler(c.instance).resumed_ring(reader.name)
@@ -269,15 +277,19 @@ class RingSide:
         for i, rec in enumerate(recs):
             while rejections and rejections[0].index <= i:  # in the order they were read
                 self._rejected(reasm, rejections.popleft(), now)
-            c.records_in += 1
-            if rec.data is not None:
+            batch = type(rec) is DataBatch
+            c.records_in += rec.parts if batch else 1
+            if batch:
+                c.payload_bytes_in += rec.nbytes
+            elif rec.data is not None:
                 c.payload_bytes_in += rec.data.nbytes
             try:
-                events = reasm.feed(rec, now)
+                events = reasm.feed_batch(rec, now) if batch else reasm.feed(rec, now)
             except Exception:  # a bug here must cost one record, not the daemon and everyone's captures
                 c.reassembly_errors += 1
                 if c.reassembly_errors <= LOG_FIRST:
-                    log.exception("record of request %s from %s could not be reassembled", rec.request_id, ring.path)
+                    log.exception("record of request %s from %s could not be reassembled",
+                                  rec.entries[0].request_id if batch else rec.request_id, ring.path)
                 continue
             self._dispatch(events, now)
         while rejections:

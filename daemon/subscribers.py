@@ -62,15 +62,18 @@ class SubscriberSide:
     """The subscriber side of the Daemon (mixed into it)."""
 
     def _dispatch(self, events: list[Event], now: float) -> None:
+        add, filed, by_key, active = self.store.add, self.watch.filed, self._by_key, self._active
         for ev in events:
-            entry = self.store.add(ev, now)
+            entry = add(ev, now)
             if entry is None:
                 continue
-            self.watch.filed(ev, entry)
-            if isinstance(ev, Begin):
+            filed(ev, entry)
+            if type(ev) is Begin:
                 self._resolve_pending(entry, now)
                 continue
-            self._active.update(self._by_key.get(entry.key, ()))
+            subs = by_key.get(entry.key)
+            if subs:
+                active.update(subs)
 
     def _resolve_pending(self, entry: Entry, now: float) -> None:
         for name in entry.names:

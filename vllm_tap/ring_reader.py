@@ -11,6 +11,7 @@ writer's numpy stores would need explicit fences.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import errno
 import logging
 import os
@@ -23,7 +24,7 @@ import numpy as np
 
 from vllm_tap import ring_format as rf
 from vllm_tap import ring_schema
-from vllm_tap.ring_records import RingRecord
+from vllm_tap.ring_records import DataBatch, RingRecord
 from vllm_tap.ring_files import RingFormatError
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,11 @@ _WINDOW = 256 << 10  # bytes read at once among records that are not large
 _PREFIX = 4096  # bytes read at once after a large record (header, table and rows of the next)
 _DIRECT = 64 << 10  # DATA records at least this large have their payload read straight into its arrays
 _IOV_MAX = 1024  # pieces per preadv (the kernel's UIO_MAXIOV)
+# A payload at least this large is read by several threads at once, each a part (preadv releases
+# the GIL; a read from tmpfs runs at a few GB/s on one core, below what memory allows).
+_SPLIT_READ = 4 << 20
+_READ_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+_pool: "concurrent.futures.ThreadPoolExecutor | None" = None
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
 
 
@@ -152,6 +158,10 @@ class RingReader:
         self._table_cache = ring_schema.TableCache()
         # Where DATA payloads go (the daemon's delivery arena, placed by reassembly): see ring_schema.Sink.
         self.sink: ring_schema.Sink | None = None
+        # Set (the daemon): a DATA record of whole tensors comes back as one DataBatch, its payloads
+        # read with one copy into the buffer this gives (ring_schema.BatchAlloc), not as one
+        # RingRecord per request and tensor.
+        self.batch_alloc: ring_schema.BatchAlloc | None = None
         self._stamped = 0
         self._logged = 0
         self._unlogged = 0
@@ -166,6 +176,26 @@ class RingReader:
             size = -1
         return RingBroken(f"{self.path}: size changed from {self.size} to {size} bytes "
                           f"(read {got} of {n} bytes at {offset})")
+
+    def _pread_split(self, buf: np.ndarray, offset: int) -> None:
+        """_pread_into, a large buffer in parts read at once by the shared read threads."""
+        global _pool
+        n = len(buf)
+        parts = min(_READ_THREADS, n // (_SPLIT_READ // 2))
+        if parts < 2:
+            return self._pread_into(buf, offset)
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(_READ_THREADS - 1, thread_name_prefix="vllm-tap-read")
+        step = (n // parts + _PAGE - 1) // _PAGE * _PAGE
+        cuts = list(range(0, n, step)) + [n]
+        futures = [_pool.submit(self._pread_into, buf[a:b], offset + a) for a, b in zip(cuts[1:-1], cuts[2:])]
+        try:
+            self._pread_into(buf[: cuts[1]], offset)
+        finally:
+            errors = [f.exception() for f in futures]
+        for e in errors:
+            if e is not None:
+                raise e
 
     def _pread_into(self, buf: np.ndarray, offset: int) -> None:
         n = len(buf)
@@ -268,7 +298,7 @@ class RingReader:
 
     # -- records --
 
-    def poll(self, max_records: int = 1 << 30, max_bytes: int = 1 << 62) -> list[RingRecord]:
+    def poll(self, max_records: int = 1 << 30, max_bytes: int = 1 << 62) -> list[RingRecord | DataBatch]:
         """Copy out committed records (up to the limits) and advance the persisted read cursor.
 
         Records that do not fit the schema are skipped and kept in `rejections` (each with its
@@ -286,7 +316,7 @@ class RingReader:
             self._store_read_cursor(w)
             return []
         self.check()
-        out: list[RingRecord] = []
+        out: list[RingRecord | DataBatch] = []
         start = r
         w_full = w
         w -= (w - r) % rf.ALIGN  # a writer's cursor is always aligned: read up to where it could be
@@ -323,13 +353,15 @@ class RingReader:
                     out.extend(self._read_direct(at, h, win[o:win_hi - win_lo]))
                 elif r + total <= win_hi:
                     out.extend(ring_schema.decode_record(win[o : o + total], ring=self.name, epoch=self.epoch,
-                                                         table_cache=self._table_cache, sink=self.sink))
+                                                         table_cache=self._table_cache, sink=self.sink,
+                                                         batch_alloc=self.batch_alloc))
                 else:  # larger than what is left of the window: read it whole
                     win = self._scratch_of(total)
                     self._pread_into(win, rf.HEADER_SIZE + at)
                     win_lo, win_hi = r, r + total
                     out.extend(ring_schema.decode_record(win, ring=self.name, epoch=self.epoch,
-                                                         table_cache=self._table_cache, sink=self.sink))
+                                                         table_cache=self._table_cache, sink=self.sink,
+                                                         batch_alloc=self.batch_alloc))
             except ring_schema.Rejected as e:
                 self._reject(r, e, len(out))
             r += total
@@ -349,10 +381,34 @@ class RingReader:
         else:
             prefix = np.empty(prefix_len, np.uint8)
             self._pread_into(prefix, rf.HEADER_SIZE + at)
+        plans = ring_schema.plan_data(prefix, h, ring=self.name, epoch=self.epoch, table_cache=self._table_cache)
+        if self.batch_alloc is not None and ring_schema.batchable(plans):
+            return [self._read_batch(at, plans)]
         out: list[RingRecord] = []
-        for plan in ring_schema.plan_data(prefix, h, ring=self.name, epoch=self.epoch, table_cache=self._table_cache):
+        for plan in plans:
             out.extend(self._read_plan(at, plan))
         return out
+
+    def _read_batch(self, at: int, plans: list["ring_schema.DataPlan"]) -> "DataBatch":
+        """Every section's payload with one read, straight into one buffer."""
+        lo, hi = ring_schema.payload_span(plans)
+        off = rf.HEADER_SIZE + at + lo
+        buf = self.batch_alloc(hi - lo) if self.batch_alloc is not None else None
+        try:
+            if buf is None:
+                buf = np.empty(hi - lo, np.uint8)
+            self._pread_split(buf, off)
+        except OSError as e:
+            if e.errno != errno.EFAULT:
+                raise
+            # The buffer's memory could not take the read (the daemon's arena, its tmpfs full under
+            # it): the reader's problem, not the ring's. Read it into private memory.
+            self.sink_failures += 1
+            self._say("ring %s: the record at offset %d could not be read into its delivery buffer (%s); "
+                      "read into private memory instead", self.path, at, e.strerror)
+            buf = np.empty(hi - lo, np.uint8)
+            self._pread_into(buf, off)
+        return ring_schema.data_batch(plans, buf)
 
     def _read_plan(self, at: int, plan: "ring_schema.DataPlan") -> list[RingRecord]:
         h = plan.h

@@ -101,3 +101,45 @@ class RingRecord:
     # LiveMeta) and, for BEGIN and END, the capture spec it carries.
     control: Any = None
     spec: Any = None
+
+
+@dataclass(eq=False)
+class DataBatch:
+    """One DATA record read whole, for a reader that handles a record at once (the daemon): every
+    section's tensor is whole (no tensor-parallel slice), and all its payloads were read with one
+    copy into one buffer. `sections` hold [n_rows, full_dim] views of it, in the record's order;
+    `groups` say which rows are whose, as the request table's (slot, rows) where rows is None (all),
+    a slice, or an index array. records(i) gives group i as the RingRecords a reader without
+    batches returns (views where the rows lie together)."""
+
+    step: int
+    rank: int
+    ring: str
+    epoch: int
+    entries: list[Any]  # ring_schema.RequestEntry, one per table slot
+    positions: np.ndarray  # int32 [n_rows], owned
+    token_ids: np.ndarray  # int32 [n_rows], owned
+    groups: list[tuple[int, Any]]
+    sections: list[tuple[TensorId, int, np.ndarray]]  # (tensor, DType code, [n_rows, full_dim])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for _, _, a in self.sections)
+
+    @property
+    def parts(self) -> int:
+        """(request, tensor) parts: the RingRecords it stands for."""
+        return len(self.groups) * len(self.sections)
+
+    def records(self, i: int) -> list[RingRecord]:
+        slot, rows = self.groups[i]
+        e = self.entries[slot]
+        take = (lambda a: a) if rows is None else (lambda a: a[rows])  # noqa: E731 (a view, or a fancy-index copy)
+        positions, token_ids = take(self.positions), take(self.token_ids)
+        return [RingRecord(
+            kind=RecordKind.DATA, request_id=e.request_id, tap_key=e.tap_key, step=self.step, rank=self.rank,
+            expected_ranks=e.expected_ranks, rank_parts=e.rank_parts, tensor=tid, dtype=dtype, slice_start=0,
+            slice_stop=a.shape[1], full_dim=a.shape[1], num_prompt_tokens=e.num_prompt_tokens, start=e.start,
+            tail=e.tail, source=e.source, positions=positions, token_ids=token_ids, data=take(a), ring=self.ring,
+            epoch=self.epoch,
+        ) for tid, dtype, a in self.sections]

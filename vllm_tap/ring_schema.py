@@ -34,7 +34,7 @@ import msgspec
 import numpy as np
 
 from vllm_tap import ring_format as rf
-from vllm_tap.ring_records import RingRecord, TensorId
+from vllm_tap.ring_records import DataBatch, RingRecord, TensorId
 from vllm_tap.spec import CaptureSpec
 
 # -- bounds (a legitimate writer stays far inside every one of them) --
@@ -234,10 +234,12 @@ tensor_id = _tensor_id  # the TensorId of a header's (tensor, layer)
 
 
 def decode_record(rec: memoryview | bytes | np.ndarray, *, ring: str = "", epoch: int = 0,
-                  table_cache: "TableCache | None" = None, sink: "Sink | None" = None) -> list[RingRecord]:
+                  table_cache: "TableCache | None" = None, sink: "Sink | None" = None,
+                  batch_alloc: "BatchAlloc | None" = None) -> "list[RingRecord | DataBatch]":
     """One whole record (its total_len bytes) -> one RingRecord per control record, or one per
     request with rows in a DATA record (arrays are private copies, in `sink`'s arrays where it
-    gives one). Raises Rejected."""
+    gives one); with `batch_alloc`, a DATA record of whole tensors is one DataBatch (its payloads
+    copied once into the buffer batch_alloc gives). Raises Rejected."""
     mv = memoryview(rec).cast("B") if not isinstance(rec, np.ndarray) else memoryview(rec)
     total = len(mv)
     if total < rf.RECORD_HEADER_SIZE:
@@ -246,7 +248,7 @@ def decode_record(rec: memoryview | bytes | np.ndarray, *, ring: str = "", epoch
     if h.total != total:
         raise Rejected(f"record length {h.total} does not match the {total} bytes given")
     if h.kind == rf.RecordKind.DATA:
-        return _decode_data(mv, h, ring, epoch, table_cache, sink)
+        return _decode_data(mv, h, ring, epoch, table_cache, sink, batch_alloc)
     if h.kind in _CONTROL_KINDS:
         return [_decode_control(mv, h, ring, epoch)]
     raise Rejected(f"unknown record kind {h.kind}")
@@ -565,18 +567,69 @@ def plan_data(prefix: memoryview | bytes | np.ndarray, h: Header, *, ring: str =
         order = None if bool(np.all(slots[1:] >= slots[:-1])) else np.argsort(slots, kind="stable")
         sorted_slots = slots if order is None else slots[order]
         bounds = (np.flatnonzero(np.diff(sorted_slots)) + 1).tolist()
-        groups = [(int(sorted_slots[a]), slice(a, b) if order is None else order[a:b])
-                  for a, b in zip([0, *bounds], [*bounds, n])]
+        if order is None and n == h.n_requests and len(bounds) == n - 1:
+            groups = one_row_each(n)  # a decode step: row i is request i's (sorted, n distinct of n)
+        else:
+            groups = [(int(sorted_slots[a]), slice(a, b) if order is None else order[a:b])
+                      for a, b in zip([0, *bounds], [*bounds, n])]
     return [DataPlan(sh, entries, positions, token_ids, groups, rf.storage_dtype(sh.dtype),
                      sh.slice_stop - sh.slice_start, sh.payload_offset, ring, epoch)
             for sh in heads]
 
 
+# Where a batched DATA record's payloads go (the daemon's delivery arena): alloc(nbytes) -> a
+# uint8 array of that many bytes, or None for a private one.
+BatchAlloc = Callable[[int], "np.ndarray | None"]
+
+
+def batchable(plans: list[DataPlan]) -> bool:
+    """Every section of the record is a whole tensor: it can be read as one DataBatch."""
+    return bool(plans) and all(p.h.slice_start == 0 and p.h.slice_stop == p.h.full_dim for p in plans)
+
+
+def payload_span(plans: list[DataPlan]) -> tuple[int, int]:
+    """[first, end) of the record's payload bytes, every section's (they lie in order, aligned)."""
+    last = plans[-1]
+    return plans[0].payload_offset, last.payload_offset + last.payload_nbytes
+
+
+def data_batch(plans: list[DataPlan], buf: np.ndarray) -> DataBatch:
+    """The record as one DataBatch, its sections views of `buf` (the payload_span bytes, owned)."""
+    p0 = plans[0]
+    h = p0.h
+    first = p0.payload_offset
+    sections = [(_tensor_id(p.h.tensor, p.h.layer), p.h.dtype,
+                 buf[p.payload_offset - first : p.payload_offset - first + p.payload_nbytes]
+                 .view(p.dtype).reshape(h.n_rows, p.width)) for p in plans]
+    return DataBatch(h.step, h.rank, p0.ring, p0.epoch, p0.entries, p0.positions.copy(), p0.token_ids.copy(),
+                     p0.groups, sections)
+
+
+_ONE_ROW_EACH: dict[int, list[tuple[int, Any]]] = {}
+
+
+def one_row_each(n: int) -> list[tuple[int, Any]]:
+    """Groups of a record whose row i is table slot i's only row: the same list for every such
+    record of n rows (its readers only iterate it)."""
+    g = _ONE_ROW_EACH.get(n)
+    if g is None:
+        g = _ONE_ROW_EACH[n] = [(i, slice(i, i + 1)) for i in range(n)]
+    return g
+
+
 def _decode_data(mv: memoryview, h: Header, ring: str, epoch: int, cache: TableCache | None,
-                 sink: Sink | None = None) -> list[RingRecord]:
+                 sink: Sink | None = None, batch_alloc: BatchAlloc | None = None) -> list[RingRecord | DataBatch]:
     base = np.frombuffer(mv, np.uint8)
-    out: list[RingRecord] = []
-    for plan in plan_data(mv, h, ring=ring, epoch=epoch, table_cache=cache):
+    out: list[RingRecord | DataBatch] = []
+    plans = plan_data(mv, h, ring=ring, epoch=epoch, table_cache=cache)
+    if batch_alloc is not None and batchable(plans):
+        lo, hi = payload_span(plans)
+        buf = batch_alloc(hi - lo)
+        if buf is None:
+            buf = np.empty(hi - lo, np.uint8)
+        buf[:] = base[lo:hi]
+        return [data_batch(plans, buf)]
+    for plan in plans:
         off = plan.payload_offset
         payload = base[off : off + plan.payload_nbytes].view(plan.dtype).reshape(h.n_rows, plan.width)
         out.extend(plan.records(payload=payload, sink=sink))

@@ -1,0 +1,265 @@
+"""A DATA record read whole (a DataBatch, the daemon's way) must give exactly the events its
+records give one by one (the way of every other reader): the same Tokens (positions, ids, values),
+Gaps (reasons), Begins and Ends, the same bytes held and the same counters, whatever the order of
+positions, duplicates, recomputes, prefill chunks, ENDs and DROPs. The records are written by the
+real ring writer and read back by the real reader, once each way."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm_tap import ring_format as rf
+from vllm_tap.daemon.reassembly import ENGINE_SOURCE, Begin, End, Gap, Reassembler, Tokens
+from vllm_tap.ring_files import ring_path
+from vllm_tap.ring_reader import RingReader
+from vllm_tap.ring_records import DataBatch, RequestRef, RequestTable, TensorId
+from vllm_tap.ring_schema import control_record
+from vllm_tap.ring_writer import RingWriter
+from vllm_tap.spec import CaptureSpec
+
+N_PROMPT = 4
+LOGITS = TensorId(rf.TensorKind.LOGITS)
+HIDDEN = TensorId(rf.TensorKind.HIDDEN, 1)
+
+
+def _sections(vocab: int, hidden: int) -> tuple:
+    return ((LOGITS, rf.DType.FLOAT32, vocab, (0, vocab), vocab), (HIDDEN, rf.DType.FLOAT32, hidden, (0, hidden), hidden))
+
+
+def _begin(rid: str, async_scheduling: bool | None) -> object:
+    meta = {"spec": CaptureSpec().to_meta(), "num_prompt_tokens": N_PROMPT, "prompt_token_ids": list(range(N_PROMPT)),
+            "n": 1, "model": "m"}
+    if async_scheduling is not None:
+        meta["async_scheduling"] = async_scheduling
+    return control_record(rf.RecordKind.BEGIN, rid, meta)
+
+
+def _end(rid: str, end_position: int) -> object:
+    n_out = max(end_position - N_PROMPT + 1, 0)
+    return control_record(rf.RecordKind.END, rid, {"reason": "stop", "num_prompt_tokens": N_PROMPT,
+                                                   "num_output_tokens": n_out, "output_token_ids": [7] * n_out,
+                                                   "end_position": end_position})
+
+
+def _drop(rid: str, positions: list[int]) -> object:
+    return control_record(rf.RecordKind.DROP, rid, {"tensor": int(rf.TensorKind.LOGITS), "layer": -1,
+                                                   "positions": positions}, rank=0, ring="rank-00000.ring")
+
+
+class _Rings:
+    """One rank ring, written by the real writer and read by two readers: one reading whole records
+    (DataBatch), one reading one RingRecord per request and tensor."""
+
+    def __init__(self, vocab: int, hidden: int):
+        self.dir = tempfile.mkdtemp(prefix="vllm-tap-batches-", dir="/dev/shm")
+        path = ring_path(self.dir, "x", 0)
+        self.sections = _sections(vocab, hidden)
+        self.writer = RingWriter(path, 8 << 20)
+        self.batched = RingReader(path, writable=False)
+        self.buffers: list[np.ndarray] = []
+        self.batched.batch_alloc = self._alloc
+        self.single = RingReader(path, writable=False)
+
+    def _alloc(self, nbytes: int) -> np.ndarray:
+        buf = np.empty(nbytes, np.uint8)
+        self.buffers.append(buf)
+        return buf
+
+    def write(self, step: int, rows: list[tuple[str, int]]) -> None:
+        """One record: rows of (request id, position), in this order."""
+        rids = list(dict.fromkeys(rid for rid, _ in rows))
+        table = RequestTable([RequestRef(rid, "", N_PROMPT, 1, len(self.sections), 0, 0, "client") for rid in rids])
+        arr = np.array([[rids.index(rid) for rid, _ in rows], [p for _, p in rows], [p + 1000 for _, p in rows]],
+                       np.int32)
+        res = self.writer.reserve_sections(table, arr, self.sections, step=step)
+        assert res is not None
+        buf = np.frombuffer(self.writer.buffer, np.uint8)
+        for k, ((at, nb), sec) in enumerate(zip(res.sections, self.sections)):
+            width = sec[2]
+            vals = (arr[1].astype(np.float32)[:, None] * 100 + np.arange(width, dtype=np.float32)[None, :]
+                    + 0.5 * k + 3 * arr[0].astype(np.float32)[:, None])
+            buf[at : at + nb] = vals.reshape(-1).view(np.uint8)
+        self.writer.commit(res)
+
+    def read(self) -> tuple[list, list]:
+        return self.batched.poll(max_records=1), self.single.poll(max_records=1)
+
+    def close(self) -> None:
+        for x in (self.writer, self.batched, self.single):
+            x.close()
+        for root, _dirs, files in os.walk(self.dir, topdown=False):
+            for f in files:
+                os.unlink(os.path.join(root, f))
+            os.rmdir(root)
+
+
+def _norm(events: list) -> dict[str, list]:
+    """Each capture's events in order (a record's events of different captures may interleave
+    either way: single records come tensor by tensor, a batch request by request)."""
+    per: dict[str, list] = {}
+    for ev in events:
+        per.setdefault(ev.request_id, []).extend(_norm_one(ev))
+    return per
+
+
+def _norm_one(ev) -> list:
+    if isinstance(ev, Tokens):
+        return [("tokens", ev.positions.tolist(), ev.token_ids.tolist(), ev.num_prompt_tokens,
+                 {k: a.tolist() for k, a in ev.tensors.items()}, dict(ev.dtypes), list(ev.tensors))]
+    if isinstance(ev, Gap):
+        return [("gap", ev.positions, ev.reason)]
+    if isinstance(ev, Begin):
+        return [("begin", ev.start_position, ev.lazy, ev.update, ev.source)]
+    if isinstance(ev, End):
+        return [("end", ev.reason, ev.expected, list(ev.missing_positions), ev.delivered, ev.complete)]
+    raise AssertionError(ev)
+
+
+def _run(ops: list, hold: int, vocab: int = 8, hidden: int = 4) -> tuple[Reassembler, Reassembler, int]:
+    rings = _Rings(vocab, hidden)
+    a, b = Reassembler("x", hold_newest=hold), Reassembler("x", hold_newest=hold)
+    batches = 0
+    try:
+        for t, op in enumerate(ops):
+            now = float(t)
+            if op[0] == "data":
+                rings.write(t + 1, op[1])
+                got_a, got_b = rings.read()
+                assert len(got_a) == 1 and type(got_a[0]) is DataBatch
+                batch = got_a[0]
+                batches += 1
+                # The payloads were copied once, into the buffer the reader was given.
+                base = rings.buffers[-1].__array_interface__["data"][0]
+                for _tid, _dt, arr in batch.sections:
+                    assert base <= arr.__array_interface__["data"][0] < base + len(rings.buffers[-1])
+                ev_a = a.feed_batch(batch, now)
+                ev_b = [ev for rec in got_b for ev in b.feed(rec, now)]
+            else:
+                ev_a, ev_b = a.feed(op[1], now), b.feed(op[1], now)
+            assert _norm(ev_a) == _norm(ev_b), f"op {t}: {op[0]}"
+            assert a.held_bytes == b.held_bytes
+        late = float(len(ops) + 100)
+        assert _norm(a.tick(late)) == _norm(b.tick(late))
+        for r in (a, b):  # what has no END yet ends with its writers
+            r.writer_gone(os.path.basename(rings.batched.path), late)
+            r.writer_gone(ENGINE_SOURCE, late)
+        assert _norm(a.tick(late + 100)) == _norm(b.tick(late + 100))
+        assert a.stats == b.stats and a.held_bytes == b.held_bytes == 0 and a.in_flight() == b.in_flight() == 0
+    finally:
+        rings.close()
+    return a, b, batches
+
+
+_ACTIONS = ("next", "next", "next", "prefill", "dup", "back", "jump", "skip")
+
+
+@st.composite
+def scenarios(draw):
+    n_req = draw(st.integers(1, 3))
+    rids = [f"r{i}" for i in range(n_req)]
+    ops: list = []
+    cur = {rid: 0 for rid in rids}
+    last: dict[str, list[int]] = {rid: [] for rid in rids}
+    begun = {rid: draw(st.sampled_from(["first", "late", "never"])) for rid in rids}
+    ended: set[str] = set()
+    async_flag = draw(st.sampled_from([None, True, False]))
+    for rid in rids:
+        if begun[rid] == "first":
+            ops.append(("control", _begin(rid, async_flag)))
+    for _ in range(draw(st.integers(2, 9))):
+        rows: list[tuple[str, int]] = []
+        for rid in rids:
+            act = draw(st.sampled_from(_ACTIONS))
+            if act == "skip":
+                continue
+            if act == "prefill":
+                ps = list(range(cur[rid], cur[rid] + draw(st.integers(2, 3))))
+            elif act == "dup" and last[rid]:
+                ps = list(last[rid])
+            elif act == "back":
+                ps = [max(cur[rid] - 2, 0)]
+            elif act == "jump":
+                ps = [cur[rid] + 2]
+            else:
+                ps = [cur[rid]]
+            last[rid] = ps
+            cur[rid] = max(cur[rid], ps[-1] + 1)
+            rows.extend((rid, p) for p in ps)
+        if not rows:
+            continue
+        if draw(st.booleans()):  # requests' rows interleaved in the record, each request's in order
+            order = draw(st.permutations(range(len(rows))))
+            by_rid: dict[str, list] = {}
+            for rid, p in rows:
+                by_rid.setdefault(rid, []).append(p)
+            shuffled = [rows[i][0] for i in order]
+            it = {rid: iter(ps) for rid, ps in by_rid.items()}
+            rows = [(rid, next(it[rid])) for rid in shuffled]
+        ops.append(("data", rows))
+        for rid in rids:
+            if begun[rid] == "late" and draw(st.booleans()):
+                ops.append(("control", _begin(rid, async_flag)))
+                begun[rid] = "first"
+            if rid not in ended and draw(st.integers(0, 5)) == 0:
+                ops.append(("control", _drop(rid, [cur[rid] + 1])))
+            if rid not in ended and draw(st.integers(0, 4)) == 0:
+                ops.append(("control", _end(rid, max(cur[rid] + draw(st.integers(-1, 1)), 0))))
+                ended.add(rid)
+    for rid in rids:
+        if rid not in ended and draw(st.booleans()):
+            ops.append(("control", _end(rid, cur[rid])))
+    return ops
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.sampled_from([0, 1]))
+def test_a_record_read_whole_gives_the_events_of_its_records_one_by_one(ops, hold):
+    _run(ops, hold)
+
+
+@pytest.mark.parametrize("hold", [0, 1])
+def test_decode_steps_of_many_captures_take_the_direct_way_and_agree(hold):
+    rids = [f"r{i}" for i in range(16)]
+    ops = [("control", _begin(rid, None)) for rid in rids]
+    ops.append(("data", [(rid, p) for rid in rids for p in range(N_PROMPT)]))  # the prefill
+    ops += [("data", [(rid, p) for rid in rids]) for p in range(N_PROMPT, N_PROMPT + 6)]
+    ops += [("control", _end(rid, N_PROMPT + 5)) for rid in rids]
+    a, b, batches = _run(ops, hold)
+    assert batches == 7 and a.stats["requests_finished"] == 16
+    assert a.direct == 7 * 16 and b.direct == 0  # every capture's every record, and the same events
+
+
+def test_a_record_too_large_for_the_reading_window_is_read_whole_into_its_buffer_and_agrees():
+    rids = [f"r{i}" for i in range(4)]
+    ops = [("control", _begin(rid, False)) for rid in rids]
+    ops += [("data", [(rid, p) for rid in rids]) for p in range(3)]
+    ops += [("control", _end(rid, 2)) for rid in rids]
+    _run(ops, 0, vocab=40_000)  # 160 kB a row: past the reader's direct-read threshold
+
+
+def test_a_tensor_parallel_slice_is_not_batched():
+    d = tempfile.mkdtemp(prefix="vllm-tap-batches-", dir="/dev/shm")
+    path = ring_path(d, "x", 0)
+    w = RingWriter(path, 1 << 20)
+    r = RingReader(path)
+    r.batch_alloc = lambda n: np.empty(n, np.uint8)
+    try:
+        table = RequestTable([RequestRef("r0", "", N_PROMPT, 2, 1, 0, 0, "client")])
+        rows = np.array([[0], [0], [1000]], np.int32)
+        res = w.reserve_sections(table, rows, ((LOGITS, rf.DType.FLOAT32, 4, (0, 4), 8),), step=1)
+        w.commit(res)
+        (rec,) = r.poll()
+        assert type(rec) is not DataBatch and (rec.slice_start, rec.slice_stop, rec.full_dim) == (0, 4, 8)
+    finally:
+        w.close()
+        r.close()
+        for f in os.listdir(os.path.join(d, "x")):
+            os.unlink(os.path.join(d, "x", f))
+        os.rmdir(os.path.join(d, "x"))
+        os.rmdir(d)
