@@ -72,6 +72,23 @@ def _dealer(ctx: zmq.asyncio.Context) -> zmq.asyncio.Socket:
     return sock
 
 
+async def _answer_or_refusal(sock: zmq.asyncio.Socket, mon: zmq.asyncio.Socket, timeout: float, endpoint: str) -> bool:
+    """As the synchronous client's: an answer to read (True), a refusal (Refused at once), or
+    neither within `timeout` (False)."""
+    poller = zmq.asyncio.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(mon, zmq.POLLIN)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while (left := deadline - loop.time()) > 0:
+        ready = dict(await poller.poll(max(1, int(left * 1000))))
+        if sock in ready:
+            return True
+        if mon in ready:
+            await _check_refused(mon, endpoint)
+    return False
+
+
 async def _check_refused(mon: zmq.asyncio.Socket, endpoint: str) -> None:
     while await mon.poll(0):
         status = refusal(parse_monitor_message(await mon.recv_multipart()))
@@ -126,7 +143,7 @@ class AsyncClient:
         try:
             sock.connect(self.endpoint)
             await sock.send_multipart(wf.StatusRequest(0).frames())
-            if not await sock.poll(int(timeout * 1000), zmq.POLLIN):
+            if not await _answer_or_refusal(sock, mon, timeout, self.endpoint):
                 await _check_refused(mon, self.endpoint)
                 raise DaemonUnavailable(unanswered(self.endpoint, timeout, self.keys is not None))
             return parse_status(await sock.recv_multipart())

@@ -89,6 +89,22 @@ def _dealer(ctx: zmq.Context) -> zmq.Socket:
     return sock
 
 
+def _answer_or_refusal(sock: zmq.Socket, mon: zmq.Socket, timeout: float, endpoint: str) -> bool:
+    """Wait up to `timeout` for something to read on `sock`; a refusal the monitor reports first
+    raises Refused at once (a refused client need not wait out its timeout). False: neither came."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(mon, zmq.POLLIN)
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        ready = dict(poller.poll(max(1, int(left * 1000))))
+        if sock in ready:
+            return True
+        if mon in ready:
+            _check_refused(mon, endpoint)
+    return False
+
+
 def _check_refused(mon: zmq.Socket, endpoint: str) -> None:
     while mon.poll(0):
         status = refusal(recv_monitor_message(mon))
@@ -164,7 +180,7 @@ class Client:
         try:
             sock.connect(self.endpoint)
             sock.send_multipart(wf.StatusRequest(0).frames())
-            if not sock.poll(int(timeout * 1000), zmq.POLLIN):
+            if not _answer_or_refusal(sock, mon, timeout, self.endpoint):
                 _check_refused(mon, self.endpoint)
                 raise DaemonUnavailable(unanswered(self.endpoint, timeout, self.keys is not None))
             return parse_status(sock.recv_multipart())
