@@ -402,11 +402,11 @@ class Reassembler:
         self._resumed: set[str] = set()  # rings a previous daemon had been reading
         self._last_live_at: float | None = None
         self.held_bytes = 0
-        self.direct = 0  # (capture, record) pairs of DataBatches that took the direct way (feed_batch)
         self.stats = {"records": 0, "late_records": 0, "duplicate_records": 0, "bad_records": 0,
                       "past_end_records": 0, "rejected_records": 0, "requests_started": 0, "requests_finished": 0,
                       "missing_positions": 0, "live_records": 0, "ends_lost": 0, "captures_cut": 0,
-                      "captures_shed": 0, "shed_records": 0}
+                      "captures_shed": 0, "shed_records": 0,
+                      "direct": 0}  # (capture, record) pairs of whole records delivered the direct way (feed_batch)
 
     # -- inspection --
 
@@ -512,7 +512,7 @@ class Reassembler:
                 for r in batch.records(i):  # a recompute, a duplicate, past the end, or positions out of order
                     self._on_data(r, now, out)
                 continue
-            self.direct += 1
+            stats["direct"] += 1
             req.records += 1
             req.last_record_at = now
             if req.live_absent or req.lost_at is not None:

@@ -274,10 +274,21 @@ class RingSide:
         rejections = ring.reader.rejections
         n = len(recs) + len(rejections)
         c = self.counters
-        for i, rec in enumerate(recs):
+        i = -1
+        while i + 1 < len(recs):
+            i += 1
+            rec = recs[i]
             while rejections and rejections[0].index <= i:  # in the order they were read
                 self._rejected(reasm, rejections.popleft(), now)
             batch = type(rec) is DataBatch
+            # A step written as several records (hidden states, then logits) is one batch again when
+            # they were read together, with nothing rejected between them.
+            while (batch and rec.wants_more and i + 1 < len(recs) and type(recs[i + 1]) is DataBatch
+                   and not (rejections and rejections[0].index <= i + 1)):
+                joined = rec.joined(recs[i + 1])
+                if joined is None:
+                    break
+                rec, i = joined, i + 1  # its parts and bytes are both records'
             c.records_in += rec.parts if batch else 1
             if batch:
                 c.payload_bytes_in += rec.nbytes

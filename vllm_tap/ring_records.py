@@ -143,3 +143,31 @@ class DataBatch:
             tail=e.tail, source=e.source, positions=positions, token_ids=token_ids, data=take(a), ring=self.ring,
             epoch=self.epoch,
         ) for tid, dtype, a in self.sections]
+
+    def joined(self, other: "DataBatch") -> "DataBatch | None":
+        """This record and `other`, the next record of the same ring, as one: a rank that writes a
+        step's tensors in several records (hidden states during the forward, logits after it) writes
+        them for the same rows of the same requests. None unless they are that: the same step,
+        request table, rows and ids, and other tensors."""
+        if (other.step != self.step or other.rank != self.rank or other.ring != self.ring or other.epoch != self.epoch
+                or (other.entries is not self.entries and other.entries != self.entries)
+                or not np.array_equal(other.positions, self.positions)
+                or not np.array_equal(other.token_ids, self.token_ids)):
+            return None
+        if other.groups is not self.groups:
+            if len(other.groups) != len(self.groups):
+                return None
+            for (s1, r1), (s2, r2) in zip(self.groups, other.groups):
+                if s1 != s2 or type(r1) is not type(r2) or not (r1 == r2 if not isinstance(r1, np.ndarray)
+                                                                 else np.array_equal(r1, r2)):
+                    return None
+        if {tid for tid, _, _ in self.sections} & {tid for tid, _, _ in other.sections}:
+            return None
+        return DataBatch(self.step, self.rank, self.ring, self.epoch, self.entries, self.positions, self.token_ids,
+                         self.groups, self.sections + other.sections)
+
+    @property
+    def wants_more(self) -> bool:
+        """Its requests' steps have more tensors than it carries: the rest may be the next record."""
+        return bool(self.entries) and self.entries[0].rank_parts > len(self.sections)
+

@@ -71,24 +71,36 @@ class _Rings:
         self.buffers.append(buf)
         return buf
 
-    def write(self, step: int, rows: list[tuple[str, int]]) -> None:
-        """One record: rows of (request id, position), in this order."""
+    def write(self, step: int, rows: list[tuple[str, int]], split: str = "") -> None:
+        """One record: rows of (request id, position), in this order. split "both": the step as two
+        records (hidden states, then logits, as a worker writes them), "first": only the first of them."""
         rids = list(dict.fromkeys(rid for rid, _ in rows))
         table = RequestTable([RequestRef(rid, "", N_PROMPT, 1, len(self.sections), 0, 0, "client") for rid in rids])
         arr = np.array([[rids.index(rid) for rid, _ in rows], [p for _, p in rows], [p + 1000 for _, p in rows]],
                        np.int32)
-        res = self.writer.reserve_sections(table, arr, self.sections, step=step)
-        assert res is not None
-        buf = np.frombuffer(self.writer.buffer, np.uint8)
-        for k, ((at, nb), sec) in enumerate(zip(res.sections, self.sections)):
-            width = sec[2]
-            vals = (arr[1].astype(np.float32)[:, None] * 100 + np.arange(width, dtype=np.float32)[None, :]
-                    + 0.5 * k + 3 * arr[0].astype(np.float32)[:, None])
-            buf[at : at + nb] = vals.reshape(-1).view(np.uint8)
-        self.writer.commit(res)
+        parts = [self.sections] if not split else [self.sections[1:], self.sections[:1]][: 2 if split == "both" else 1]
+        for secs in parts:
+            res = self.writer.reserve_sections(table, arr, secs, step=step)
+            assert res is not None
+            buf = np.frombuffer(self.writer.buffer, np.uint8)
+            for (at, nb), sec in zip(res.sections, secs):
+                k = self.sections.index(sec)
+                vals = (arr[1].astype(np.float32)[:, None] * 100 + np.arange(sec[2], dtype=np.float32)[None, :]
+                        + 0.5 * k + 3 * arr[0].astype(np.float32)[:, None])
+                buf[at : at + nb] = vals.reshape(-1).view(np.uint8)
+            self.writer.commit(res)
 
     def read(self) -> tuple[list, list]:
-        return self.batched.poll(max_records=1), self.single.poll(max_records=1)
+        """What each reader reads of what was written since; the batched reader's records of one step
+        joined as the daemon joins them (DataBatch.joined)."""
+        batched: list = []
+        for item in self.batched.poll():
+            joined = batched[-1].joined(item) if batched and batched[-1].wants_more else None
+            if joined is not None:
+                batched[-1] = joined
+            else:
+                batched.append(item)
+        return batched, self.single.poll()
 
     def close(self) -> None:
         for x in (self.writer, self.batched, self.single):
@@ -129,15 +141,18 @@ def _run(ops: list, hold: int, vocab: int = 8, hidden: int = 4) -> tuple[Reassem
         for t, op in enumerate(ops):
             now = float(t)
             if op[0] == "data":
-                rings.write(t + 1, op[1])
+                split = op[2] if len(op) > 2 else ""
+                rings.write(t + 1, op[1], split)
                 got_a, got_b = rings.read()
                 assert len(got_a) == 1 and type(got_a[0]) is DataBatch
                 batch = got_a[0]
                 batches += 1
-                # The payloads were copied once, into the buffer the reader was given.
-                base = rings.buffers[-1].__array_interface__["data"][0]
+                assert len(batch.sections) == (1 if split == "first" else 2)
+                # The payloads were copied once, into the buffers the reader was given.
+                bases = [(b.__array_interface__["data"][0], len(b)) for b in rings.buffers[-(2 if split == "both" else 1):]]
                 for _tid, _dt, arr in batch.sections:
-                    assert base <= arr.__array_interface__["data"][0] < base + len(rings.buffers[-1])
+                    at = arr.__array_interface__["data"][0]
+                    assert any(lo <= at < lo + n for lo, n in bases)
                 ev_a = a.feed_batch(batch, now)
                 ev_b = [ev for rec in got_b for ev in b.feed(rec, now)]
             else:
@@ -150,10 +165,14 @@ def _run(ops: list, hold: int, vocab: int = 8, hidden: int = 4) -> tuple[Reassem
             r.writer_gone(os.path.basename(rings.batched.path), late)
             r.writer_gone(ENGINE_SOURCE, late)
         assert _norm(a.tick(late + 100)) == _norm(b.tick(late + 100))
-        assert a.stats == b.stats and a.held_bytes == b.held_bytes == 0 and a.in_flight() == b.in_flight() == 0
+        assert _but_direct(a.stats) == _but_direct(b.stats) and a.held_bytes == b.held_bytes == 0 and a.in_flight() == b.in_flight() == 0
     finally:
         rings.close()
     return a, b, batches
+
+
+def _but_direct(stats: dict) -> dict:
+    return {k: v for k, v in stats.items() if k != "direct"}
 
 
 _ACTIONS = ("next", "next", "next", "prefill", "dup", "back", "jump", "skip")
@@ -201,7 +220,7 @@ def scenarios(draw):
             shuffled = [rows[i][0] for i in order]
             it = {rid: iter(ps) for rid, ps in by_rid.items()}
             rows = [(rid, next(it[rid])) for rid in shuffled]
-        ops.append(("data", rows))
+        ops.append(("data", rows, draw(st.sampled_from(["", "", "both", "first"]))))
         for rid in rids:
             if begun[rid] == "late" and draw(st.booleans()):
                 ops.append(("control", _begin(rid, async_flag)))
@@ -224,15 +243,16 @@ def test_a_record_read_whole_gives_the_events_of_its_records_one_by_one(ops, hol
 
 
 @pytest.mark.parametrize("hold", [0, 1])
-def test_decode_steps_of_many_captures_take_the_direct_way_and_agree(hold):
+@pytest.mark.parametrize("split", ["", "both"])
+def test_decode_steps_of_many_captures_take_the_direct_way_and_agree(hold, split):
     rids = [f"r{i}" for i in range(16)]
     ops = [("control", _begin(rid, None)) for rid in rids]
-    ops.append(("data", [(rid, p) for rid in rids for p in range(N_PROMPT)]))  # the prefill
-    ops += [("data", [(rid, p) for rid in rids]) for p in range(N_PROMPT, N_PROMPT + 6)]
+    ops.append(("data", [(rid, p) for rid in rids for p in range(N_PROMPT)], split))  # the prefill
+    ops += [("data", [(rid, p) for rid in rids], split) for p in range(N_PROMPT, N_PROMPT + 6)]
     ops += [("control", _end(rid, N_PROMPT + 5)) for rid in rids]
     a, b, batches = _run(ops, hold)
     assert batches == 7 and a.stats["requests_finished"] == 16
-    assert a.direct == 7 * 16 and b.direct == 0  # every capture's every record, and the same events
+    assert a.stats["direct"] == 7 * 16 and b.stats["direct"] == 0  # every capture's every record, same events
 
 
 def test_a_record_too_large_for_the_reading_window_is_read_whole_into_its_buffer_and_agrees():

@@ -50,6 +50,7 @@ def test_concurrent_batch_matches_vllm_logprobs_and_transformers(stack):
     lengths = (5, 40, 100, 17)  # > max_num_batched_tokens=64: chunked prefill, in one batch
     keys = [f"batch-{uuid.uuid4().hex[:8]}" for _ in lengths]
     streamed: dict[str, list] = {}
+    direct = stack.client.status()["reassembly"]["direct"]
 
     def subscribe(key):  # subscribers start before their requests exist
         with Client(stack.daemon.endpoint) as c:
@@ -93,6 +94,9 @@ def test_concurrent_batch_matches_vllm_logprobs_and_transformers(stack):
         for layer, h in cap.hidden.items():
             assert np.abs(h - hf_hidden[layer]).max() <= TOL, f"layer {layer}"
         assert sorted(cap.hidden) == list(range(SPEC.num_layers + 1))
+    # The worker writes a step's hidden states and its logits as two records; the daemon read them
+    # together, whole, and delivered (most of) these captures' steps straight from them.
+    assert stack.client.status()["reassembly"]["direct"] > direct
     with pytest.raises(CaptureNotFound):
         stack.client.fetch(plain_id, timeout=1.5)
     # The same long prompt again: its prefix is cached, yet every prompt position is captured.
@@ -116,9 +120,13 @@ def test_every_option_against_the_full_capture(stack):
         "last_output": {"tap_positions": "last_output"},
         "float32": {"tap_dtype": "float32"},
     }
+    direct = stack.client.status()["reassembly"]["direct"]
     with cf.ThreadPoolExecutor(len(variants)) as pool:
         resp = dict(zip(variants, pool.map(lambda v: stack.complete(prompt, v, max_tokens=5, logprobs=5), variants.values())))
     cap = {name: stack.client.fetch(r.id, timeout=30) for name, r in resp.items()}
+    # A capture whose step is one record (top-k; layers only) was read whole and delivered straight
+    # from it; the values below hold it to the full capture.
+    assert stack.client.status()["reassembly"]["direct"] > direct
     full = cap["full"]
     P, end = 20, 24
     assert list(full.positions) == list(range(end))
