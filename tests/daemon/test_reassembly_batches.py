@@ -60,7 +60,8 @@ class _Rings:
         self.dir = tempfile.mkdtemp(prefix="vllm-tap-batches-", dir="/dev/shm")
         path = ring_path(self.dir, "x", 0)
         self.sections = _sections(vocab, hidden)
-        self.writer = RingWriter(path, 8 << 20)
+        # Nobody moves the read cursor (both readers only look): room for every record of a test.
+        self.writer = RingWriter(path, max(8 << 20, 3 * 4 * (vocab + hidden) * 4))
         self.batched = RingReader(path, writable=False)
         self.buffers: list[np.ndarray] = []
         self.batched.batch_alloc = self._alloc
@@ -261,6 +262,14 @@ def test_a_record_too_large_for_the_reading_window_is_read_whole_into_its_buffer
     ops += [("data", [(rid, p) for rid in rids]) for p in range(3)]
     ops += [("control", _end(rid, 2)) for rid in rids]
     _run(ops, 0, vocab=40_000)  # 160 kB a row: past the reader's direct-read threshold
+
+
+def test_a_payload_read_by_several_threads_agrees():
+    rids = [f"r{i}" for i in range(4)]
+    ops = [("control", _begin(rid, False)) for rid in rids]
+    ops += [("data", [(rid, p) for rid in rids]) for p in range(2)]
+    ops += [("control", _end(rid, 1)) for rid in rids]
+    _run(ops, 0, vocab=300_000)  # 4.8 MB a record: read in parts at once where the box has the cores
 
 
 def test_a_tensor_parallel_slice_is_not_batched():

@@ -397,10 +397,11 @@ def test_vllm_memory_stays_flat_while_the_daemon_is_stopped(stack):
     The first 25 s are a warm-up. Memory must level off, not climb: a vLLM worker under this load
     grows by itself while it warms (RssAnon, same test without capture: +18, +24, +30, +39, +41,
     +42 MiB at 10 s intervals after the warm-up; with capture and the backlog at its bound: +40,
-    +64, +70, +77, +79, +81), so the test bounds the growth of the last 30 s, where a backlog that
-    is not bounded shows at once (~180 MiB). The bound is 64 MiB: a loaded CI box once saw the
-    worker step up by 33 MiB within 10 s late in the run (+5, +8, +8, +8, +41, +47), a jump, not
-    the steady climb of a backlog; the backlog's own bound is checked in the ring's header."""
+    +64, +70, +77, +79, +81), and it grows in steps: a loaded CI box saw +5, +8, +8, +8, +41, +47;
+    another +0, +13, +24, +78, +110, +110. A backlog without a bound climbs in every interval
+    (~60 MiB each). So the late check is the smaller growth of the last two intervals (a step is
+    one of them, a climb both), and the whole minute is bounded at 160 MiB; the backlog's own bound
+    is checked in the ring's header."""
     stack.daemon.stop()
     stop_at = time.monotonic() + 85
     done = [0]
@@ -440,9 +441,11 @@ def test_vllm_memory_stays_flat_while_the_daemon_is_stopped(stack):
         s = _ring_stats(p)
         assert s["records_dropped"] > 0 or s["control_dropped"] > 0 or os.path.basename(p) == "engine.ring"
         assert s["control_backlog"] <= MAX_BACKLOG_RECORDS
-    half = len(samples) // 2
-    late = {samples[0][p][0]: samples[-1][p][1] - samples[half][p][1] for p in samples[0] if p in samples[-1]}
-    assert all(g < 64 for g in late.values()), (late, trace)
+    # The last two 10 s intervals: a backlog without a bound grows in each (~60 MiB); vLLM's own
+    # steps are one-offs, and one of the two is small.
+    last = {samples[0][p][0]: min(samples[-1][p][1] - samples[-2][p][1], samples[-2][p][1] - samples[-3][p][1])
+            for p in samples[0] if all(p in s for s in samples[-3:])}
+    assert all(g < 24 for g in last.values()), (last, trace)
     assert all(g < 160 for g in growth.values()), (growth, trace)
     assert stack.server.proc.poll() is None
 
