@@ -334,7 +334,7 @@ def test_the_core_imports_no_vllm():
         "from vllm_tap.hooks.settings import SPEC_EXTRA_ARG\n"
         "from vllm_tap.ring_reader import RingReader\nfrom vllm_tap.ring_writer import RingWriter\n"
         "from vllm_tap.spec import CaptureSpec\n"
-        "import tempfile, os\n"
+        "import tempfile, os, shutil\n"
         "d = tempfile.mkdtemp(dir='/dev/shm')\n"
         "w = RingWriter(os.path.join(d, 'i', 'rank-00000.ring'), 1 << 20, wake_daemon=False)\n"
         "core = CaptureCore(w, RankPlace(stage_layers=((1,),)), Publisher(w))\n"
@@ -345,6 +345,7 @@ def test_the_core_imports_no_vllm():
         "recs = RingReader(w.path).poll()\n"
         "assert sorted(r.tensor.name for r in recs) == ['hidden.1', 'logits'], recs\n"
         "w.close(unlink=True)\n"
+        "shutil.rmtree(d)\n"
         "assert 'vllm' not in sys.modules, 'the core imported vllm'\n"
         "print('ok')\n"
     )

@@ -62,6 +62,7 @@ class ServerStack:
         self.server.stop()
         self.daemon.stop()
         shutil.rmtree(self.shm, ignore_errors=True)
+        shutil.rmtree(self.shm.rstrip("/") + ".arena", ignore_errors=True)  # the arena directory a killed daemon left
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def complete(self, prompt, xargs: dict | None = None, **kw):
