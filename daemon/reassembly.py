@@ -472,9 +472,9 @@ class Reassembler:
     def feed_batch(self, batch: DataBatch, now: float) -> list[Event]:
         """A DATA record read whole: the same events as feeding batch.records(i) for every group,
         in table order. A capture whose step is all in this record and comes next (one rank, no
-        step pending, positions consecutive from its frontier, before its END's stop) takes the direct way: its rows of
-        each section become one Tokens chunk at once (views, no copy, no group). Anything else
-        takes the way of single records."""
+        step pending, positions consecutive from its frontier, before its END's stop) takes the
+        direct way: its rows of each section become one Tokens chunk at once (views, no copy, no
+        group). Anything else takes the way of single records."""
         out: list[Event] = []
         nsec = len(batch.sections)
         stats = self.stats

@@ -116,15 +116,6 @@ class Store:
 
     def add(self, ev: Event, now: float) -> Entry | None:
         """File an event; returns the entry it extended (None for an event of no known capture)."""
-        if type(ev) is Tokens:  # the most common by far: once per capture and step
-            e = self._entries.get((ev.instance, ev.request_id))
-            if e is None or e.end is not None:
-                return None
-            size = ev.nbytes + _EVENT_OVERHEAD
-            e.history.append(ev)
-            e.nbytes += size
-            self.inflight_bytes += size
-            return e
         if isinstance(ev, Begin):
             return self._begin(ev, now)
         e = self._entries.get(ev.key)
