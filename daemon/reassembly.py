@@ -470,15 +470,17 @@ class Reassembler:
         return out
 
     def feed_batch(self, batch: DataBatch, now: float) -> list[Event]:
-        """A DATA record read whole: the same events as feeding batch.records(i) for every group,
-        in table order. A capture whose step is all in this record and comes next (one rank, no
-        step pending, positions consecutive from its frontier, before its END's stop) takes the
-        direct way: its rows of each section become one Tokens chunk at once (views, no copy, no
-        group). Anything else takes the way of single records."""
+        """A DATA record read whole, or a run of decode steps joined (daemon/step_runs): the same
+        events as feeding batch.records(i) for every group, in table order (for a run, the same
+        positions and values in fewer Tokens). A capture whose step is all in this record and comes
+        next (one rank, no step pending, positions consecutive from its frontier, before its END's
+        stop) takes the direct way: its rows of each section become one Tokens chunk at once (views,
+        no copy, no group). Anything else takes the way of single records, step by step."""
         out: list[Event] = []
         nsec = len(batch.sections)
         stats = self.stats
-        stats["records"] += len(batch.groups) * nsec
+        stats["records"] += batch.parts
+        steps = len(batch.steps) if batch.steps else 1
         names = batch_names(batch)
         requests = self._requests
         groups = batch.groups
@@ -512,7 +514,7 @@ class Reassembler:
                 for r in batch.records(i):  # a recompute, a duplicate, past the end, or positions out of order
                     self._on_data(r, now, out)
                 continue
-            stats["direct"] += 1
+            stats["direct"] += steps
             req.records += 1
             req.last_record_at = now
             if req.live_absent or req.lost_at is not None:

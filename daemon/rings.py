@@ -30,6 +30,7 @@ from vllm_tap.safe_paths import UnsafePath
 
 from vllm_tap.daemon.discovery import Candidate
 from vllm_tap.daemon.reassembly import RING_BROKEN, Reassembler
+from vllm_tap.daemon import step_runs
 
 log = logging.getLogger("vllm_tap.daemon.server")  # the daemon logs under one name, whichever side speaks
 
@@ -274,38 +275,41 @@ class RingSide:
         rejections = ring.reader.rejections
         n = len(recs) + len(rejections)
         c = self.counters
-        i = -1
-        while i + 1 < len(recs):
-            i += 1
-            rec = recs[i]
-            while rejections and rejections[0].index <= i:  # in the order they were read
+        for start, run in step_runs.plan(recs, {rej.index for rej in rejections}):
+            while rejections and rejections[0].index <= start:  # in the order they were read
                 self._rejected(reasm, rejections.popleft(), now)
-            batch = type(rec) is DataBatch
-            # A step written as several records (hidden states, then logits) is one batch again when
-            # they were read together, with nothing rejected between them.
-            while (batch and rec.wants_more and i + 1 < len(recs) and type(recs[i + 1]) is DataBatch
-                   and not (rejections and rejections[0].index <= i + 1)):
-                joined = rec.joined(recs[i + 1])
-                if joined is None:
-                    break
-                rec, i = joined, i + 1  # its parts and bytes are both records'
-            c.records_in += rec.parts if batch else 1
-            if batch:
-                c.payload_bytes_in += rec.nbytes
-            elif rec.data is not None:
-                c.payload_bytes_in += rec.data.nbytes
-            try:
-                events = reasm.feed_batch(rec, now) if batch else reasm.feed(rec, now)
-            except Exception:  # a bug here must cost one record, not the daemon and everyone's captures
-                c.reassembly_errors += 1
-                if c.reassembly_errors <= LOG_FIRST:
-                    log.exception("record of request %s from %s could not be reassembled",
-                                  rec.entries[0].request_id if batch else rec.request_id, ring.path)
-                continue
-            self._dispatch(events, now)
+            rec = run[0]
+            if len(run) > 1:
+                try:
+                    rec = step_runs.join(run, self._batch_alloc)
+                    c.steps_joined += len(run)
+                except Exception:  # never worth a capture: feed its steps one by one
+                    log.exception("decode steps from %s could not be joined", ring.path)
+                    for b in run[:-1]:
+                        self._feed(reasm, b, now, ring)
+                    rec = run[-1]
+            self._feed(reasm, rec, now, ring)
         while rejections:
             self._rejected(reasm, rejections.popleft(), now)
         return n
+
+    def _feed(self, reasm: Reassembler, rec: Any, now: float, ring: OpenRing) -> None:
+        c = self.counters
+        batch = type(rec) is DataBatch
+        c.records_in += rec.parts if batch else 1
+        if batch:
+            c.payload_bytes_in += rec.nbytes
+        elif rec.data is not None:
+            c.payload_bytes_in += rec.data.nbytes
+        try:
+            events = reasm.feed_batch(rec, now) if batch else reasm.feed(rec, now)
+        except Exception:  # a bug here must cost one record, not the daemon and everyone's captures
+            c.reassembly_errors += 1
+            if c.reassembly_errors <= LOG_FIRST:
+                log.exception("record of request %s from %s could not be reassembled",
+                              rec.entries[0].request_id if batch else rec.request_id, ring.path)
+            return
+        self._dispatch(events, now)
 
     def _rejected(self, reasm: Reassembler, rej: Any, now: float) -> None:
         if rej.request_ids:
@@ -320,3 +324,4 @@ class RingSide:
     def _drain(self, ring: OpenRing) -> None:
         while ring.key in self._rings and self._poll_ring(ring):
             pass
+

@@ -52,6 +52,7 @@ class Counters:
 
     records_in: int = 0
     payload_bytes_in: int = 0
+    steps_joined: int = 0  # decode steps of the same captures read in one round, handled as one (step_runs)
     delivered_messages: int = 0
     delivered_bytes: int = 0
     arena_messages: int = 0  # tokens messages sent as arena descriptors (their payload bytes below)
@@ -139,6 +140,7 @@ class StatusSide:
             "evicted_requests": self.store.evictions,
             "records_in": c.records_in,
             "bytes_in": c.payload_bytes_in,
+            "steps_joined": c.steps_joined,
             "drops": {"records": dropped_records, "bytes": dropped_bytes,
                       "missing_positions": reasm_stats.get("missing_positions", 0),
                       "captures_shed": reasm_stats.get("captures_shed", 0)},

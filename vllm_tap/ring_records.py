@@ -121,6 +121,9 @@ class DataBatch:
     token_ids: np.ndarray  # int32 [n_rows], owned
     groups: list[tuple[int, Any]]
     sections: list[tuple[TensorId, int, np.ndarray]]  # (tensor, DType code, [n_rows, full_dim])
+    # Decode steps of the same requests joined into one batch by a reader that took them in together:
+    # the steps' own batches, in order (group i's rows are its rows of each step, in step order).
+    steps: "list[DataBatch] | None" = None
 
     @property
     def nbytes(self) -> int:
@@ -129,9 +132,11 @@ class DataBatch:
     @property
     def parts(self) -> int:
         """(request, tensor) parts: the RingRecords it stands for."""
-        return len(self.groups) * len(self.sections)
+        return len(self.groups) * len(self.sections) * (len(self.steps) if self.steps else 1)
 
     def records(self, i: int) -> list[RingRecord]:
+        if self.steps:  # what each step's record gave, step by step
+            return [r for b in self.steps for r in b.records(i)]
         slot, rows = self.groups[i]
         e = self.entries[slot]
         take = (lambda a: a) if rows is None else (lambda a: a[rows])  # noqa: E731 (a view, or a fancy-index copy)

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_tap import ring_format as rf
+from vllm_tap.daemon import step_runs
 from vllm_tap.daemon.reassembly import ENGINE_SOURCE, Begin, End, Gap, Reassembler, Tokens
 from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_reader import RingReader
@@ -92,15 +93,10 @@ class _Rings:
             self.writer.commit(res)
 
     def read(self) -> tuple[list, list]:
-        """What each reader reads of what was written since; the batched reader's records of one step
-        joined as the daemon joins them (DataBatch.joined)."""
-        batched: list = []
-        for item in self.batched.poll():
-            joined = batched[-1].joined(item) if batched and batched[-1].wants_more else None
-            if joined is not None:
-                batched[-1] = joined
-            else:
-                batched.append(item)
+        """What each reader reads of what was written since; the batched reader's records joined as
+        the daemon joins them (daemon/step_runs: a step's records, then decode steps in runs)."""
+        batched = [run[0] if len(run) == 1 else step_runs.join(run, self._alloc)
+                   for _start, run in step_runs.plan(self.batched.poll(), ())]
         return batched, self.single.poll()
 
     def close(self) -> None:
@@ -292,3 +288,149 @@ def test_a_tensor_parallel_slice_is_not_batched():
             os.unlink(os.path.join(d, "x", f))
         os.rmdir(os.path.join(d, "x"))
         os.rmdir(d)
+
+
+# -- decode steps read in one round, joined into one batch per run (daemon/step_runs) --
+
+
+def _content(events: list) -> dict[str, list]:
+    """Each capture's events position by position: a run of steps joined gives the same positions,
+    ids, values, gaps and ends as its steps one by one, in fewer Tokens."""
+    per: dict[str, list] = {}
+    for ev in events:
+        out = per.setdefault(ev.request_id, [])
+        if isinstance(ev, Tokens):
+            for j, p in enumerate(ev.positions.tolist()):
+                out.append(("pos", p, int(ev.token_ids[j]), ev.num_prompt_tokens, dict(ev.dtypes),
+                            {k: a[j].tolist() for k, a in ev.tensors.items()}))
+        elif isinstance(ev, Gap):
+            out.extend(("gap", p, ev.reason) for p in ev.positions)
+        else:
+            out.extend(_norm_one(ev))
+    return per
+
+
+def _run_bursts(ops: list, hold: int) -> tuple[Reassembler, Reassembler, int]:
+    """ops: ("steps", [rows of each step], split) written together, then read in one round; or
+    ("control", record). Returns both reassemblers and the steps that were joined into runs."""
+    rings = _Rings(8, 4)
+    a, b = Reassembler("x", hold_newest=hold), Reassembler("x", hold_newest=hold)
+    ev_a: list = []
+    ev_b: list = []
+    joined = 0
+    step = 0
+    try:
+        for t, op in enumerate(ops):
+            now = float(t)
+            if op[0] == "steps":
+                for rows in op[1]:
+                    step += 1
+                    rings.write(step, rows, op[2])
+                got_a, got_b = rings.read()
+                for item in got_a:
+                    joined += len(item.steps) if type(item) is DataBatch and item.steps else 0
+                    ev_a += a.feed_batch(item, now) if type(item) is DataBatch else a.feed(item, now)
+                ev_b += [ev for rec in got_b for ev in b.feed(rec, now)]
+            else:
+                ev_a += a.feed(op[1], now)
+                ev_b += b.feed(op[1], now)
+            assert _content(ev_a) == _content(ev_b), f"op {t}: {op[0]}"
+        late = float(len(ops) + 100)
+        ev_a += a.tick(late)
+        ev_b += b.tick(late)
+        for r, evs in ((a, ev_a), (b, ev_b)):
+            r.writer_gone(os.path.basename(rings.batched.path), late)
+            r.writer_gone(ENGINE_SOURCE, late)
+            evs += r.tick(late + 100)
+        assert _content(ev_a) == _content(ev_b)
+        assert _but_direct(a.stats) == _but_direct(b.stats) and a.held_bytes == b.held_bytes == 0
+        assert a.in_flight() == b.in_flight() == 0
+    finally:
+        rings.close()
+    return a, b, joined
+
+
+@st.composite
+def bursts(draw):
+    """Captures decoding step after step (mostly), read a few steps at a time: runs join, and what
+    breaks them (a duplicate, a recompute, a jump, a skipped step, a prefill chunk, a request that
+    comes or goes, a BEGIN, DROP or END between bursts) must cost nothing but the join."""
+    n_req = draw(st.integers(1, 4))
+    rids = [f"r{i}" for i in range(n_req)]
+    ops: list = []
+    cur = {rid: N_PROMPT for rid in rids}
+    begun = {rid: draw(st.sampled_from(["first", "first", "late", "never"])) for rid in rids}
+    ended: set[str] = set()
+    async_flag = draw(st.sampled_from([None, True, False]))
+    for rid in rids:
+        if begun[rid] == "first":
+            ops.append(("control", _begin(rid, async_flag)))
+    ops.append(("steps", [[(rid, p) for rid in rids for p in range(N_PROMPT)]], ""))  # the prefill
+    for _ in range(draw(st.integers(1, 5))):
+        steps = []
+        for _ in range(draw(st.integers(1, 6))):
+            rows: list[tuple[str, int]] = []
+            for rid in rids:
+                act = draw(st.sampled_from(("next",) * 8 + ("dup", "back", "jump", "skip", "prefill")))
+                if act == "skip":
+                    continue
+                ps = {"dup": [cur[rid] - 1], "back": [max(cur[rid] - 2, 0)], "jump": [cur[rid] + 1],
+                      "prefill": [cur[rid], cur[rid] + 1]}.get(act, [cur[rid]])
+                cur[rid] = max(cur[rid], ps[-1] + 1)
+                rows.extend((rid, p) for p in ps)
+            if rows:
+                steps.append(rows)
+        if steps:
+            ops.append(("steps", steps, draw(st.sampled_from(["", "", "both"]))))
+        for rid in rids:
+            if begun[rid] == "late" and draw(st.booleans()):
+                ops.append(("control", _begin(rid, async_flag)))
+                begun[rid] = "first"
+            if rid not in ended and draw(st.integers(0, 6)) == 0:
+                ops.append(("control", _drop(rid, [cur[rid] + 1])))
+            if rid not in ended and draw(st.integers(0, 5)) == 0:
+                ops.append(("control", _end(rid, max(cur[rid] + draw(st.integers(-2, 1)), 0))))
+                ended.add(rid)
+    for rid in rids:
+        if rid not in ended and draw(st.booleans()):
+            ops.append(("control", _end(rid, cur[rid])))
+    return ops
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bursts(), st.sampled_from([0, 1]))
+def test_decode_steps_read_together_give_what_their_records_give_one_by_one(ops, hold):
+    _run_bursts(ops, hold)
+
+
+@pytest.mark.parametrize("hold", [0, 1])
+@pytest.mark.parametrize("split", ["", "both"])
+def test_a_backlog_of_decode_steps_is_one_event_per_capture_and_round(hold, split):
+    rids = [f"r{i}" for i in range(16)]
+    ops: list = [("control", _begin(rid, None)) for rid in rids]
+    ops.append(("steps", [[(rid, p) for rid in rids for p in range(N_PROMPT)]], split))
+    ops += [("steps", [[(rid, p) for rid in rids] for p in range(q, q + 5)], split) for q in (N_PROMPT, N_PROMPT + 5)]
+    ops += [("control", _end(rid, N_PROMPT + 9)) for rid in rids]
+    a, b, joined = _run_bursts(ops, hold)
+    assert joined == 10 and a.stats["requests_finished"] == 16
+    assert a.stats["direct"] == 11 * 16 and b.stats["direct"] == 0  # each capture's every step, directly
+
+
+def test_steps_join_only_while_they_continue_each_other():
+    rings = _Rings(8, 4)
+    try:
+        for s, p in enumerate((4, 5, 6, 8, 9), start=1):  # position 7 never came: two runs
+            rings.write(s, [("r0", p), ("r1", p)])
+        rings.write(6, [("r0", 10)])  # another table
+        rings.write(7, [("r0", 11), ("r1", 11)])
+        items = list(step_runs.plan(rings.batched.poll(), ()))
+        assert [(start, len(run)) for start, run in items] == [(0, 3), (3, 2), (5, 1), (6, 1)]
+        run = step_runs.join(items[0][1], None)
+        assert run.positions.tolist() == [4, 5, 6, 4, 5, 6] and run.groups == [(0, slice(0, 3)), (1, slice(3, 6))]
+        assert run.parts == 3 * 2 * 2 and [a.shape for _, _, a in run.sections] == [(6, 8), (6, 4)]
+        for s, p in enumerate((12, 13, 14), start=8):
+            rings.write(s, [("r0", p), ("r1", p)])
+        recs = rings.batched.poll()
+        assert [len(run) for _, run in step_runs.plan(recs, {2})] == [2, 1]  # a rejected record came before the third
+    finally:
+        rings.close()
