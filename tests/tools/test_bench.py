@@ -1,4 +1,4 @@
-"""Smoke test of `vllm-tap bench` (no vLLM server): the transport and hook parts run --quick as
+"""Smoke test of `vllm-tap bench` (no vLLM server): the transport, hook and ingest parts run --quick as
 subprocesses and leave results that parse. Not a timed test: nothing here asserts a number."""
 
 from __future__ import annotations
@@ -49,6 +49,16 @@ def test_bench_transport_quick(tmp_path):
     for row in rows:
         assert row["complete"], row  # every capture reached every consumer
         assert row["captures_per_s"] > 0 and row["gbps"] > 0
+
+
+@pytest.mark.timeout(150)
+def test_bench_ingest_quick(tmp_path):
+    r = _bench(tmp_path, "ingest")["ingest"]
+    assert set(r["summary"]) == {"logits", "topk"}
+    for shape, row in r["summary"].items():
+        assert row["dropped"] == 0 and row["sections"], row  # the writer waits for room: nothing lost
+        assert row["steps_per_s"] > 0 and row["copy_gbps"] > 0 and row["daemon_cpu_s_warm"] >= 0, row
+    assert {t["shape"] for t in r["trials"]} == {"logits", "topk"}
 
 
 @pytest.mark.timeout(150)

@@ -14,8 +14,9 @@ reassembles and retains (evicting the oldest), which is its work for every captu
 
 Reported per shape and repeat: steps/s and GB/s of payload from the first measured step committed
 to the daemon having read the last one (the ring drained: the daemon's pace, which bounds the
-writer's too), the daemon's CPU seconds per GB and per 1000 steps (utime+stime from /proc, over the
-whole trial, warm-up steps included), and the tmpfs copy rate (a numpy copy of 256 MiB
+writer's too), the daemon's CPU seconds per GB and per 1000 steps (utime+stime from /proc, from the
+first measured step to the ring drained: sustained, after the warm-up steps in which the delivery
+arena grows to its working size; the warm-up's CPU is reported apart), and the tmpfs copy rate (a numpy copy of 256 MiB
 between two /dev/shm files, before every trial). Targets: logits ingest ≥ 50 % of the copy rate;
 topk ≥ 5,000 steps/s (a fast GPU decodes ~200–1,000 steps/s).
 """
@@ -48,7 +49,9 @@ class IngestParams:
     vocab: int = 128256
     topk: int = 20
     steps: dict[str, int] = field(default_factory=lambda: {"logits": 400, "topk": 20000})
-    warm_steps: dict[str, int] = field(default_factory=lambda: {"logits": 48, "topk": 2000})
+    # Unmeasured steps first: the daemon's delivery arena grows to what retention and the captures in
+    # flight hold (~1.3 GB of full logits here), reserving and faulting its pages once in its life.
+    warm_steps: dict[str, int] = field(default_factory=lambda: {"logits": 160, "topk": 2000})
     # Steps per capture: the requests end and new ones begin every `wave` steps, so what the daemon
     # holds in flight stays bounded (64 x 16 steps of full logits: 262 MB).
     wave: dict[str, int] = field(default_factory=lambda: {"logits": 16, "topk": 1000})
@@ -159,6 +162,8 @@ def _writer_main(shm: str, shape: str, p_dict: dict, prefix: str, results: Any, 
                     if res is not None:
                         res.payload[:] = x.reshape(-1).view(np.uint8)
                         w.commit(res)
+            if k == warm:
+                results.put({"warm": True})  # the measured steps begin: the parent reads the daemon's CPU
             if k >= warm:
                 stamps.append(time.perf_counter())
             if j == wave - 1 or k == warm + steps - 1:
@@ -181,10 +186,12 @@ def _trial(shape: str, p: IngestParams, daemon_pid: int, shm: str, tag: str) -> 
 
     ctx = mp.get_context("spawn")
     results, close = ctx.Queue(), ctx.Queue()
-    cpu0 = proc_cpu_seconds(daemon_pid)
+    cpu_all = proc_cpu_seconds(daemon_pid)
     proc = ctx.Process(target=_writer_main, args=(shm, shape, asdict(p), tag, results, close))
     proc.start()
     try:
+        assert results.get(timeout=900) == {"warm": True}
+        cpu0 = proc_cpu_seconds(daemon_pid)
         got = results.get(timeout=900)
         deadline = time.monotonic() + 600
         while read_info(got["ring"]).backlog_bytes and time.monotonic() < deadline:
@@ -193,12 +200,14 @@ def _trial(shape: str, p: IngestParams, daemon_pid: int, shm: str, tag: str) -> 
     finally:
         close.put(None)
         proc.join(60)
-    cpu = proc_cpu_seconds(daemon_pid) - cpu0
+    cpu_end = proc_cpu_seconds(daemon_pid)
+    cpu = cpu_end - cpu0
     secs = t_end - got["t_first"]
     return {"shape": shape, "steps_per_s": got["steps"] / secs, "gbps": got["bytes"] / secs / 1e9,
             "writer_steps_per_s": got["steps"] / max(got["t_last"] - got["t_first"], 1e-9),
             "daemon_cpu_s_per_gb": cpu / (got["bytes"] / 1e9) if got["bytes"] else float("nan"),
             "daemon_cpu_s_per_kstep": cpu / got["steps"] * 1e3, "dropped": got["dropped"],
+            "daemon_cpu_s_warm": cpu0 - cpu_all,
             "sections": got["sections"]}
 
 
@@ -220,7 +229,8 @@ def run(p: IngestParams, workdir: str, echo=print) -> dict[str, Any]:
                 trials.append(row)
                 echo(f"  ingest r{r} {shape}: {row['steps_per_s']:.0f} steps/s, {row['gbps']:.3f} GB/s "
                      f"({100 * row['share_of_copy']:.0f} % of tmpfs copy {copy / 1e9:.2f} GB/s), daemon "
-                     f"{row['daemon_cpu_s_per_gb']:.2f} CPU s/GB, {row['dropped']} dropped")
+                     f"{row['daemon_cpu_s_per_gb']:.2f} CPU s/GB (warm-up {row['daemon_cpu_s_warm']:.2f} s), "
+                     f"{row['dropped']} dropped")
     finally:
         daemon.stop()
         shutil.rmtree(shm, ignore_errors=True)
@@ -236,17 +246,32 @@ def summarise(trials: list[dict[str, Any]]) -> dict[str, Any]:
         if not ts:
             continue
         out[shape] = {k: median(t[k] for t in ts) for k in
-                      ("steps_per_s", "gbps", "share_of_copy", "copy_gbps", "daemon_cpu_s_per_gb", "daemon_cpu_s_per_kstep")}
+                      ("steps_per_s", "gbps", "share_of_copy", "copy_gbps", "daemon_cpu_s_per_gb", "daemon_cpu_s_per_kstep",
+                       "daemon_cpu_s_warm")}
         out[shape]["steps_range"] = spread(t["steps_per_s"] for t in ts)
         out[shape]["dropped"] = sum(t["dropped"] for t in ts)
         out[shape]["sections"] = ts[0]["sections"]
     return out
 
 
+def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The targets of this bench, for the report's table of targets."""
+    out = []
+    for shape, row in res["summary"].items():
+        if shape == "logits":
+            out.append({"part": "ingest", "target": f"full logits: ≥ {TARGET_COPY_SHARE:.0%} of the tmpfs copy rate",
+                        "measured": f"{row['gbps']:.2f} GB/s = {row['share_of_copy']:.0%} of {row['copy_gbps']:.2f}",
+                        "met": row["share_of_copy"] >= TARGET_COPY_SHARE})
+        else:
+            out.append({"part": "ingest", "target": f"64 × top-{res['params']['topk']}: ≥ {TARGET_TOPK_STEPS:,.0f} steps/s",
+                        "measured": f"{row['steps_per_s']:,.0f} steps/s", "met": row["steps_per_s"] >= TARGET_TOPK_STEPS})
+    return out
+
+
 def table(res: dict[str, Any]) -> str:
     s = res["summary"]
     lines = ["| shape | records a step | steps/s | GB/s | % of tmpfs copy | daemon CPU s/GB | daemon CPU ms / 1000 steps "
-             "| target | met |", "|---|---|--:|--:|--:|--:|--:|---|---|"]
+             "| warm-up daemon CPU s | target | met |", "|---|---|--:|--:|--:|--:|--:|--:|---|---|"]
     for shape, row in s.items():
         target = (f"≥ {TARGET_COPY_SHARE:.0%} of copy" if shape == "logits" else f"≥ {TARGET_TOPK_STEPS:.0f} steps/s")
         met = (row["share_of_copy"] >= TARGET_COPY_SHARE if shape == "logits" else row["steps_per_s"] >= TARGET_TOPK_STEPS)
@@ -254,5 +279,5 @@ def table(res: dict[str, Any]) -> str:
         lo, hi = row["steps_range"]
         lines.append(f"| {shape} | {per_step} | {row['steps_per_s']:.0f} ({lo:.0f}–{hi:.0f}) | {row['gbps']:.3f} "
                      f"| {100 * row['share_of_copy']:.0f} % | {row['daemon_cpu_s_per_gb']:.2f} "
-                     f"| {row['daemon_cpu_s_per_kstep'] * 1e3:.0f} | {target} | {'met' if met else '**missed**'} |")
+                     f"| {row['daemon_cpu_s_per_kstep'] * 1e3:.0f} | {row['daemon_cpu_s_warm']:.2f} | {target} | {'met' if met else '**missed**'} |")
     return "\n".join(lines)

@@ -107,6 +107,11 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                             "target": f"{transport.size_label(row['size'])} × {row['subscribers']} sub: daemon CPU s/GB, "
                                       f"arena ≤ {transport.CPU_RATIO_TARGET:g} × frames",
                             "measured": f"× {row['cpu_per_gb_ratio']:.2f}", "met": row["cpu_target"]})
+    ig = results.get("ingest")
+    if ig:
+        from vllm_tap.tools.bench import ingest
+
+        out += ingest.targets(ig)
     return out
 
 
@@ -557,7 +562,43 @@ def plots(results: dict[str, Any], outdir: str) -> list[str]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
+    ig = results.get("ingest")
+    if ig:
+        path = _ingest_plot(plt, ig, outdir)
+        if path:
+            written.append(path)
     return written
+
+
+def _ingest_plot(plt: Any, ig: dict[str, Any], outdir: str) -> str | None:
+    """Each repeat's rate against its target: full logits as a share of the tmpfs copy, top-k in steps/s."""
+    from vllm_tap.tools.bench import ingest
+
+    shapes = [s for s in ingest.SHAPES if any(t["shape"] == s for t in ig["trials"])]
+    if not shapes:
+        return None
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        ts = [t for t in ig["trials"] if t["shape"] == shape]
+        xs = range(len(ts))
+        if shape == "logits":
+            ax.bar(list(xs), [100 * t["share_of_copy"] for t in ts], 0.6, label="daemon ingest")
+            ax.axhline(100 * ingest.TARGET_COPY_SHARE, color="r", lw=0.8, label="target")
+            ax.set_ylabel("% of the tmpfs copy rate")
+            ax.set_title("Full logits, 64 decoding requests")
+        else:
+            ax.bar(list(xs), [t["steps_per_s"] for t in ts], 0.6, label="daemon ingest")
+            ax.axhline(ingest.TARGET_TOPK_STEPS, color="r", lw=0.8, label="target")
+            ax.set_ylabel("steps/s")
+            ax.set_title(f"64 × top-{ig['params']['topk']}")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([f"repeat {t['repeat']}" for t in ts], fontsize=8)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(outdir, "ingest.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _cpu_plot(plt: Any, pt: dict[str, Any], outdir: str) -> str | None:
