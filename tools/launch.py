@@ -82,6 +82,12 @@ class DaemonHandle:
                     raise
                 time.sleep(0.1)
 
+    def status(self, timeout: float = 10.0) -> dict[str, Any]:
+        from vllm_tap.client import Client
+
+        with Client(self.endpoint) as c:
+            return c.status(timeout=timeout)
+
     def stop(self) -> None:
         _stop(self.proc)
 

@@ -57,6 +57,7 @@ def test_bench_ingest_quick(tmp_path):
     assert set(r["summary"]) == {"logits", "topk"}
     for shape, row in r["summary"].items():
         assert row["dropped"] == 0 and row["sections"], row  # the writer waits for room: nothing lost
+        assert row["complete"] and row["missing_positions"] == row["late_records"] == 0, row
         assert row["steps_per_s"] > 0 and row["copy_gbps"] > 0 and row["daemon_cpu_s_warm"] >= 0, row
     assert {t["shape"] for t in r["trials"]} == {"logits", "topk"}
 

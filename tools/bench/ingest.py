@@ -17,7 +17,13 @@ to the daemon having read the last one (the ring drained: the daemon's pace, whi
 writer's too), the daemon's CPU seconds per GB and per 1000 steps (utime+stime from /proc, from the
 first measured step to the ring drained: sustained, after the warm-up steps in which the delivery
 arena grows to its working size; the warm-up's CPU is reported apart), and the tmpfs copy rate (a numpy copy of 256 MiB
-between two /dev/shm files, before every trial). Targets: logits ingest ≥ 50 % of the copy rate;
+between two /dev/shm files, before every trial). Also reported: the share of what the daemon read that went into its delivery arena (the rest stayed
+on its heap because the arena was full; the arena costs the daemon a region per record, or, before
+2026-11-26, per request and tensor, so a full arena can make a daemon faster). And the cores the daemon and the writer used over the measured window (their CPU seconds per second): on
+a small box the two share the cores, while a GPU worker's copies are the GPU's DMA. A trial counts only if every capture arrived whole:
+the daemon's status before and after it must show no position missing and no record that came after
+its capture had ended (a daemon far behind its rings ends captures at their END's grace and then
+drops their late data: fast, and no ingest). Targets: logits ingest ≥ 50 % of the copy rate;
 topk ≥ 5,000 steps/s (a fast GPU decodes ~200–1,000 steps/s).
 """
 
@@ -30,7 +36,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -178,7 +184,22 @@ def _writer_main(shm: str, shape: str, p_dict: dict, prefix: str, results: Any, 
         eng.close()
 
 
-def _trial(shape: str, p: IngestParams, daemon_pid: int, shm: str, tag: str) -> dict[str, Any]:
+def _losses(status: dict[str, Any]) -> dict[str, int]:
+    """What the daemon did not deliver whole: positions missing from captures, records that came
+    after their capture had ended (a daemon too far behind its rings ends captures at their END's
+    grace and then throws their data away, which is fast and is no ingest)."""
+    r = status.get("reassembly") or {}
+    return {"missing_positions": int(r.get("missing_positions", 0)), "late_records": int(r.get("late_records", 0))}
+
+
+def _arena(status: dict[str, Any]) -> tuple[int, int]:
+    """(regions handed out, arrays kept on the heap because the arena was full or off)."""
+    a = status.get("arena") or {}
+    return int(a.get("allocations", 0)), int(a.get("fallbacks", 0))
+
+
+def _trial(shape: str, p: IngestParams, daemon_pid: int, shm: str, tag: str,
+           status: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """One writer run; the daemon's pace is the measured steps over the time from the first of them
     committed to the daemon having read the last (the ring drained: it bounds the writer's pace
     too, since the writer waits for room)."""
@@ -186,55 +207,71 @@ def _trial(shape: str, p: IngestParams, daemon_pid: int, shm: str, tag: str) -> 
 
     ctx = mp.get_context("spawn")
     results, close = ctx.Queue(), ctx.Queue()
+    st0 = status()
+    lost0, arena0 = _losses(st0), _arena(st0)
     cpu_all = proc_cpu_seconds(daemon_pid)
     proc = ctx.Process(target=_writer_main, args=(shm, shape, asdict(p), tag, results, close))
     proc.start()
     try:
         assert results.get(timeout=900) == {"warm": True}
-        cpu0 = proc_cpu_seconds(daemon_pid)
+        cpu0, wcpu0 = proc_cpu_seconds(daemon_pid), proc_cpu_seconds(proc.pid)
         got = results.get(timeout=900)
         deadline = time.monotonic() + 600
         while read_info(got["ring"]).backlog_bytes and time.monotonic() < deadline:
             time.sleep(0.001)
         t_end = time.perf_counter()  # CLOCK_MONOTONIC, as the writer's stamps
+        cpu = proc_cpu_seconds(daemon_pid) - cpu0
+        wcpu = proc_cpu_seconds(proc.pid) - wcpu0  # it waits for `close` once it has written all
     finally:
         close.put(None)
         proc.join(60)
-    cpu_end = proc_cpu_seconds(daemon_pid)
-    cpu = cpu_end - cpu0
+    st1 = status()
+    lost = {k: v - lost0[k] for k, v in _losses(st1).items()}
+    allocs, fallbacks = (x - y for x, y in zip(_arena(st1), arena0))
     secs = t_end - got["t_first"]
     return {"shape": shape, "steps_per_s": got["steps"] / secs, "gbps": got["bytes"] / secs / 1e9,
             "writer_steps_per_s": got["steps"] / max(got["t_last"] - got["t_first"], 1e-9),
             "daemon_cpu_s_per_gb": cpu / (got["bytes"] / 1e9) if got["bytes"] else float("nan"),
             "daemon_cpu_s_per_kstep": cpu / got["steps"] * 1e3, "dropped": got["dropped"],
-            "daemon_cpu_s_warm": cpu0 - cpu_all,
+            "daemon_cpu_s_warm": cpu0 - cpu_all, **lost,
+            # Both processes' CPU over the measured window, in cores: how much of the box they used.
+            "daemon_cores": cpu / secs, "writer_cores": wcpu / secs,
+            "complete": not any(lost.values()),
+            # Where the daemon put what it read: its delivery arena, or the heap when the arena was full.
+            "arena_share": allocs / (allocs + fallbacks) if allocs + fallbacks else float("nan"),
             "sections": got["sections"]}
 
 
 def run(p: IngestParams, workdir: str, echo=print) -> dict[str, Any]:
+    """Every trial against a daemon of its own, started fresh (what an earlier trial left in the
+    daemon, its arena full of retained captures above all, changes what the next one measures)."""
     from vllm_tap.tools.launch import DaemonHandle
 
-    shm = tempfile.mkdtemp(prefix="vllm-tap-bench-ingest-", dir="/dev/shm")
-    sock = tempfile.mkdtemp(prefix="vti-")
-    daemon = DaemonHandle(shm, f"ipc://{sock}/tap.sock", os.path.join(workdir, "ingest-daemon.log"))
     trials: list[dict[str, Any]] = []
     t0, load0 = time.time(), loadavg()
-    try:
-        daemon.start(extra=["--log-level", "WARNING"])
-        for r in range(p.repeats):
-            for shape in (SHAPES if r % 2 == 0 else SHAPES[::-1]):
-                copy = tmpfs_copy_rate(p.copy_bytes)
-                row = _trial(shape, p, daemon.proc.pid, shm, f"r{r}-{shape}")
-                row.update(repeat=r, copy_gbps=copy / 1e9, share_of_copy=row["gbps"] / (copy / 1e9))
-                trials.append(row)
-                echo(f"  ingest r{r} {shape}: {row['steps_per_s']:.0f} steps/s, {row['gbps']:.3f} GB/s "
-                     f"({100 * row['share_of_copy']:.0f} % of tmpfs copy {copy / 1e9:.2f} GB/s), daemon "
-                     f"{row['daemon_cpu_s_per_gb']:.2f} CPU s/GB (warm-up {row['daemon_cpu_s_warm']:.2f} s), "
-                     f"{row['dropped']} dropped")
-    finally:
-        daemon.stop()
-        shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(sock, ignore_errors=True)
+    for r in range(p.repeats):
+        for shape in (SHAPES if r % 2 == 0 else SHAPES[::-1]):
+            copy = tmpfs_copy_rate(p.copy_bytes)
+            shm = tempfile.mkdtemp(prefix="vllm-tap-bench-ingest-", dir="/dev/shm")
+            sock = tempfile.mkdtemp(prefix="vti-")
+            daemon = DaemonHandle(shm, f"ipc://{sock}/tap.sock", os.path.join(workdir, "ingest-daemon.log"))
+            try:
+                daemon.start(extra=["--log-level", "WARNING"])
+                row = _trial(shape, p, daemon.proc.pid, shm, f"r{r}-{shape}", daemon.status)
+            finally:
+                daemon.stop()
+                shutil.rmtree(shm, ignore_errors=True)
+                shutil.rmtree(sock, ignore_errors=True)
+                if daemon.state_dir:
+                    shutil.rmtree(daemon.state_dir, ignore_errors=True)
+            row.update(repeat=r, copy_gbps=copy / 1e9, share_of_copy=row["gbps"] / (copy / 1e9))
+            trials.append(row)
+            echo(f"  ingest r{r} {shape}: {row['steps_per_s']:.0f} steps/s, {row['gbps']:.3f} GB/s "
+                 f"({100 * row['share_of_copy']:.0f} % of tmpfs copy {copy / 1e9:.2f} GB/s), daemon "
+                 f"{row['daemon_cpu_s_per_gb']:.2f} CPU s/GB (warm-up {row['daemon_cpu_s_warm']:.2f} s), "
+                 f"{row['dropped']} dropped, {row['missing_positions']} positions missing, {row['late_records']} late "
+                 f"records, {100 * row['arena_share']:.0f} % into the arena, cores used: daemon {row['daemon_cores']:.2f}, writer "
+                 f"{row['writer_cores']:.2f} of {os.cpu_count()}")
     return {"params": asdict(p), "trials": trials, "summary": summarise(trials), "loadavg_start": load0,
             "loadavg_end": loadavg(), "seconds": time.time() - t0}
 
@@ -247,9 +284,12 @@ def summarise(trials: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         out[shape] = {k: median(t[k] for t in ts) for k in
                       ("steps_per_s", "gbps", "share_of_copy", "copy_gbps", "daemon_cpu_s_per_gb", "daemon_cpu_s_per_kstep",
-                       "daemon_cpu_s_warm")}
+                       "daemon_cpu_s_warm", "arena_share", "daemon_cores", "writer_cores")}
         out[shape]["steps_range"] = spread(t["steps_per_s"] for t in ts)
         out[shape]["dropped"] = sum(t["dropped"] for t in ts)
+        out[shape]["missing_positions"] = sum(t["missing_positions"] for t in ts)
+        out[shape]["late_records"] = sum(t["late_records"] for t in ts)
+        out[shape]["complete"] = all(t["complete"] for t in ts)
         out[shape]["sections"] = ts[0]["sections"]
     return out
 
@@ -261,23 +301,28 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         if shape == "logits":
             out.append({"part": "ingest", "target": f"full logits: ≥ {TARGET_COPY_SHARE:.0%} of the tmpfs copy rate",
                         "measured": f"{row['gbps']:.2f} GB/s = {row['share_of_copy']:.0%} of {row['copy_gbps']:.2f}",
-                        "met": row["share_of_copy"] >= TARGET_COPY_SHARE})
+                        "met": row["complete"] and row["share_of_copy"] >= TARGET_COPY_SHARE})
         else:
             out.append({"part": "ingest", "target": f"64 × top-{res['params']['topk']}: ≥ {TARGET_TOPK_STEPS:,.0f} steps/s",
-                        "measured": f"{row['steps_per_s']:,.0f} steps/s", "met": row["steps_per_s"] >= TARGET_TOPK_STEPS})
+                        "measured": f"{row['steps_per_s']:,.0f} steps/s",
+                        "met": row["complete"] and row["steps_per_s"] >= TARGET_TOPK_STEPS})
     return out
 
 
 def table(res: dict[str, Any]) -> str:
     s = res["summary"]
     lines = ["| shape | records a step | steps/s | GB/s | % of tmpfs copy | daemon CPU s/GB | daemon CPU ms / 1000 steps "
-             "| warm-up daemon CPU s | target | met |", "|---|---|--:|--:|--:|--:|--:|--:|---|---|"]
+             "| warm-up daemon CPU s | into the arena | cores used: daemon + writer | every capture whole | target | met |",
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|---|---|"]
     for shape, row in s.items():
         target = (f"≥ {TARGET_COPY_SHARE:.0%} of copy" if shape == "logits" else f"≥ {TARGET_TOPK_STEPS:.0f} steps/s")
-        met = (row["share_of_copy"] >= TARGET_COPY_SHARE if shape == "logits" else row["steps_per_s"] >= TARGET_TOPK_STEPS)
+        met = row["complete"] and (row["share_of_copy"] >= TARGET_COPY_SHARE if shape == "logits"
+                                   else row["steps_per_s"] >= TARGET_TOPK_STEPS)
+        whole = ("yes" if row["complete"] else
+                 f"**no**: {row['missing_positions']} positions missing, {row['late_records']} late records")
         per_step = "1 (sections)" if row["sections"] else f"{1 if shape == 'logits' else 3} (one per tensor)"
         lo, hi = row["steps_range"]
         lines.append(f"| {shape} | {per_step} | {row['steps_per_s']:.0f} ({lo:.0f}–{hi:.0f}) | {row['gbps']:.3f} "
                      f"| {100 * row['share_of_copy']:.0f} % | {row['daemon_cpu_s_per_gb']:.2f} "
-                     f"| {row['daemon_cpu_s_per_kstep'] * 1e3:.0f} | {row['daemon_cpu_s_warm']:.2f} | {target} | {'met' if met else '**missed**'} |")
+                     f"| {row['daemon_cpu_s_per_kstep'] * 1e3:.0f} | {row['daemon_cpu_s_warm']:.2f} | {100 * row['arena_share']:.0f} % | {row['daemon_cores']:.2f} + {row['writer_cores']:.2f} | {whole} | {target} | {'met' if met else '**missed**'} |")
     return "\n".join(lines)
