@@ -218,19 +218,29 @@ def scenarios(draw):
             it = {rid: iter(ps) for rid, ps in by_rid.items()}
             rows = [(rid, next(it[rid])) for rid in shuffled]
         ops.append(("data", rows, draw(st.sampled_from(["", "", "both", "first"]))))
-        for rid in rids:
-            if begun[rid] == "late" and draw(st.booleans()):
-                ops.append(("control", _begin(rid, async_flag)))
-                begun[rid] = "first"
-            if rid not in ended and draw(st.integers(0, 5)) == 0:
-                ops.append(("control", _drop(rid, [cur[rid] + 1])))
-            if rid not in ended and draw(st.integers(0, 4)) == 0:
-                ops.append(("control", _end(rid, max(cur[rid] + draw(st.integers(-1, 1)), 0))))
-                ended.add(rid)
+        ops += _controls(draw, rids, begun, ended, cur, async_flag, drop_1_in=6, end_1_in=5, end_back=1)
+    return ops + _last_ends(draw, rids, ended, cur)
+
+
+def _controls(draw, rids: list[str], begun: dict, ended: set, cur: dict, async_flag, *, drop_1_in: int,
+              end_1_in: int, end_back: int) -> list:
+    """What the engine may write between two reads: a BEGIN that comes late, a DROP, an END before
+    or after the last position written."""
+    ops: list = []
     for rid in rids:
-        if rid not in ended and draw(st.booleans()):
-            ops.append(("control", _end(rid, cur[rid])))
+        if begun[rid] == "late" and draw(st.booleans()):
+            ops.append(("control", _begin(rid, async_flag)))
+            begun[rid] = "first"
+        if rid not in ended and draw(st.integers(0, drop_1_in - 1)) == 0:
+            ops.append(("control", _drop(rid, [cur[rid] + 1])))
+        if rid not in ended and draw(st.integers(0, end_1_in - 1)) == 0:
+            ops.append(("control", _end(rid, max(cur[rid] + draw(st.integers(-end_back, 1)), 0))))
+            ended.add(rid)
     return ops
+
+
+def _last_ends(draw, rids: list[str], ended: set, cur: dict) -> list:
+    return [("control", _end(rid, cur[rid])) for rid in rids if rid not in ended and draw(st.booleans())]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -382,19 +392,8 @@ def bursts(draw):
                 steps.append(rows)
         if steps:
             ops.append(("steps", steps, draw(st.sampled_from(["", "", "both"]))))
-        for rid in rids:
-            if begun[rid] == "late" and draw(st.booleans()):
-                ops.append(("control", _begin(rid, async_flag)))
-                begun[rid] = "first"
-            if rid not in ended and draw(st.integers(0, 6)) == 0:
-                ops.append(("control", _drop(rid, [cur[rid] + 1])))
-            if rid not in ended and draw(st.integers(0, 5)) == 0:
-                ops.append(("control", _end(rid, max(cur[rid] + draw(st.integers(-2, 1)), 0))))
-                ended.add(rid)
-    for rid in rids:
-        if rid not in ended and draw(st.booleans()):
-            ops.append(("control", _end(rid, cur[rid])))
-    return ops
+        ops += _controls(draw, rids, begun, ended, cur, async_flag, drop_1_in=7, end_1_in=6, end_back=2)
+    return ops + _last_ends(draw, rids, ended, cur)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
