@@ -28,9 +28,9 @@ from vllm_tap.ring_records import DataBatch
 from vllm_tap.ring_schema import tensor_id
 from vllm_tap.safe_paths import UnsafePath
 
+from vllm_tap.daemon import step_runs
 from vllm_tap.daemon.discovery import Candidate
 from vllm_tap.daemon.reassembly import RING_BROKEN, Reassembler
-from vllm_tap.daemon import step_runs
 
 log = logging.getLogger("vllm_tap.daemon.server")  # the daemon logs under one name, whichever side speaks
 
@@ -324,4 +324,3 @@ class RingSide:
     def _drain(self, ring: OpenRing) -> None:
         while ring.key in self._rings and self._poll_ring(ring):
             pass
-

@@ -23,7 +23,9 @@ What the daemon survives, and how (docs/operate.md says the same for operators):
   beyond it the biggest capture is cut, its remaining positions becoming gaps with a reason.
 
 Delivery (daemon/arena.py): payloads are read from the rings straight into the delivery arena, a
-shared-memory file of the daemon's own (one copy; tensor-parallel slices into their columns).
+shared-memory file of the daemon's own (one copy; tensor-parallel slices into their columns; small
+decode steps of the same captures read in one round are joined into one region, daemon/step_runs.py,
+a second copy of a few kB per step that saves one event per capture and step).
 Subscribers and watchers that offered to map it (same host: ipc://) get descriptors; the others
 get the same arrays as frames. Regions go back when the daemon drops what references them. A
 descriptor handed to zmq is not yet copied by its subscriber (up to two socket queues of them
