@@ -16,8 +16,8 @@ Rules this module keeps:
   counts it; the ring is never blamed.
 - A freed region is zeroed at once (after its generation moves): the file never keeps the values
   of a capture the daemon let go (evicted, or finished and no longer pinned). A region that holds
-  a whole ring record (several captures' rows, ring_records.DataBatch) is freed when the last of
-  them goes.
+  a whole ring record (several captures' rows, ring_records.DataBatch), or a run of decode steps
+  (daemon/step_runs), is freed when the last of them goes.
 - Regions are freed by the garbage collector: each region's arrays keep a small owner object
   alive, whose finalizer returns the region and bumps its generation. So every holder in the
   daemon (reassembly, the store's history, watch cursors, a frame zmq has not sent yet) pins what
