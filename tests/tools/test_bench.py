@@ -54,12 +54,12 @@ def test_bench_transport_quick(tmp_path):
 @pytest.mark.timeout(150)
 def test_bench_ingest_quick(tmp_path):
     r = _bench(tmp_path, "ingest")["ingest"]
-    assert set(r["summary"]) == {"logits", "topk"}
+    assert set(r["summary"]) == {"logits", "logits-dma", "topk"}
     for shape, row in r["summary"].items():
         assert row["dropped"] == 0 and row["sections"], row  # the writer waits for room: nothing lost
         assert row["complete"] and row["missing_positions"] == row["late_records"] == 0, row
         assert row["steps_per_s"] > 0 and row["copy_gbps"] > 0 and row["daemon_cpu_s_warm"] >= 0, row
-    assert {t["shape"] for t in r["trials"]} == {"logits", "topk"}
+    assert {t["shape"] for t in r["trials"]} == {"logits", "logits-dma", "topk"}
 
 
 @pytest.mark.timeout(150)

@@ -581,11 +581,11 @@ def _ingest_plot(plt: Any, ig: dict[str, Any], outdir: str) -> str | None:
     for ax, shape in zip(axes[0], shapes):
         ts = [t for t in ig["trials"] if t["shape"] == shape]
         xs = range(len(ts))
-        if shape == "logits":
+        if shape != "topk":
             ax.bar(list(xs), [100 * t["share_of_copy"] for t in ts], 0.6, label="daemon ingest")
             ax.axhline(100 * ingest.TARGET_COPY_SHARE, color="r", lw=0.8, label="target")
             ax.set_ylabel("% of the tmpfs copy rate")
-            ax.set_title("Full logits, 64 decoding requests")
+            ax.set_title("Full logits, 64 decoding requests" + ("" if shape == "logits" else ",\nthe writer's copy left to DMA"))
         else:
             ax.bar(list(xs), [t["steps_per_s"] for t in ts], 0.6, label="daemon ingest")
             ax.axhline(ingest.TARGET_TOPK_STEPS, color="r", lw=0.8, label="target")
