@@ -37,6 +37,15 @@ def shm_dir():
 
 
 @pytest.fixture
+def shm(tmp_path):
+    """A /dev/shm path nothing has made yet (the code under test makes it, with its own mode),
+    removed afterwards with whatever it holds."""
+    d = f"/dev/shm/vllm-tap-test-{tmp_path.name}"
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
 def sock_dir():
     # ipc paths are limited to ~107 bytes, so not under pytest's long tmp_path.
     d = tempfile.mkdtemp(prefix="vt-")

@@ -30,7 +30,7 @@ from vllm_tap.hooks.publisher import HostBackend, StagedPublisher
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
 from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_writer import RingWriter
-from vllm_tap.spec import CaptureSpec, LogitsMode, PositionsMode
+from vllm_tap.spec import CaptureSpec
 
 # Ops that make the host wait for a CUDA device (or allocate page-locked memory) when the tensors
 # involved live on it.
@@ -120,11 +120,6 @@ def _ops_per_step(shm, n: int, kinds: int = 3, prefill: int = 0, steps: int = 3)
 
 def _syncing(ops) -> set[str]:
     return {op for op in ops if op in SYNCING}
-
-
-@pytest.fixture
-def shm(tmp_path):
-    return f"/dev/shm/vllm-tap-test-{tmp_path.name}"
 
 
 @pytest.mark.parametrize("prefill", [0, 2], ids=["decode", "with-prefill-chunks"])

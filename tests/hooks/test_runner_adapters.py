@@ -382,11 +382,6 @@ def expected_rows(model, rid, pos):
     return model.compute_logits(h)[0], {layer: aux[LAYERS.index(layer)][0] for layer in LAYERS}
 
 
-@pytest.fixture
-def shm(tmp_path):
-    return f"/dev/shm/vllm-tap-test-{tmp_path.name}"
-
-
 def test_v2_adapter_writes_what_v1_writes_for_the_same_rows(shm):
     v1, model = run("v1", shm)
     v2, _ = run("v2", shm)

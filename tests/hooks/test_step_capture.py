@@ -137,11 +137,11 @@ def assert_matches(got, want):
 
 
 @pytest.fixture
-def ring(tmp_path):
+def ring(shm):
     writers = []
 
     def make(capacity=1 << 20):
-        w = RingWriter(f"/dev/shm/vllm-tap-test-{tmp_path.name}/inst/rank-00000.ring", capacity, wake_daemon=False)
+        w = RingWriter(f"{shm}/inst/rank-00000.ring", capacity, wake_daemon=False)
         writers.append(w)
         return w
 
