@@ -14,8 +14,14 @@ Rules this module keeps:
   (delivered as frames): slower, never lost. Should a region still fail to take a read (EFAULT),
   that is the daemon's own memory: the ring reader reads the record privately and `write_failed`
   counts it; the ring is never blamed.
-- A freed region is zeroed at once (after its generation moves): the file never keeps the values
-  of a capture the daemon let go (evicted, or finished and no longer pinned). A region that holds
+- A freed region's values do not outlive it (the file must not keep the values of a capture the
+  daemon let go: evicted, or finished and no longer pinned): they are overwritten whole by the
+  record that next takes the region, or zeroed: at once when the daemon is idle, and under load
+  once they have been free for ZERO_WITHIN_S (`sweep`). Zeroing at every free cost a pass over
+  memory per GB ingested (a seventh of the daemon's time with full logits), and under load a freed
+  region is taken again within milliseconds. A region handed out for anything but a whole overwrite
+  has its stale blocks zeroed first, so every array the arena hands out reads as zeros until
+  written, as fresh tmpfs pages do. A region that holds
   a whole ring record (several captures' rows, ring_records.DataBatch), or a run of decode steps
   (daemon/step_runs), is freed when the last of them goes.
 - Regions are freed by the garbage collector: each region's arrays keep a small owner object
@@ -36,6 +42,7 @@ Rules this module keeps:
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import heapq
@@ -55,6 +62,7 @@ log = logging.getLogger(__name__)
 
 COMMIT_CHUNK = 16 << 20  # tmpfs reserved this much at a time, as the heap first reaches it
 MAX_TOP = 1 << 30  # the largest region; a bigger array stays on the heap
+ZERO_WITHIN_S = 1.0  # under load, a freed region not taken again is zeroed after this long
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -128,6 +136,12 @@ class Arena:
         for b in range(0, n_blocks, top_blocks):
             self._add_free(top_order, b)
         self._committed = bytearray((size + COMMIT_CHUNK - 1) // COMMIT_CHUNK)
+        # Blocks freed and neither zeroed nor taken again (a set bit is always a free block), and
+        # when each freed region went, oldest first, for `sweep`.
+        self._dirty = np.zeros(n_blocks, np.bool_)
+        self._freed: collections.deque[tuple[float, int, int]] = collections.deque()
+        self.unzeroed_bytes = 0
+        self.zeroed_bytes = 0
         self.allocated_bytes = 0
         self.peak_bytes = 0
         self.regions = 0
@@ -197,10 +211,15 @@ class Arena:
                 pass  # not empty (someone else's file?), or gone: leave it
         os.close(self._dir_fd)
 
+    def fileno(self) -> int:
+        return self._fd
+
     # -- allocation --
 
-    def alloc(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
-        """An array of `shape` in a fresh region; None when it does not fit (keep it on the heap)."""
+    def alloc(self, shape: tuple[int, ...], dtype: Any, overwrite: bool = False) -> np.ndarray | None:
+        """An array of `shape` in a fresh region, all zeros; None when it does not fit (keep it on
+        the heap). `overwrite`: the caller writes every byte of the array before anyone reads it (a
+        read from a ring straight into it), so only what lies past its end is zeroed."""
         dt = np.dtype(dtype)
         count = 1
         for s in shape:
@@ -226,6 +245,12 @@ class Arena:
             self._give_range(b, b + blocks)
             self.fallbacks += 1
             return None
+        if self.unzeroed_bytes and self._dirty[b : b + blocks].any():
+            if overwrite:
+                self._zero_dirty(b + blocks - 1, b + blocks, nbytes - (blocks - 1) * af.BLOCK)
+                self._forget_dirty(b, b + blocks - 1)
+            else:
+                self._zero_dirty(b, b + blocks)
         region = _region_type(size).from_buffer(self._mm, self.data_offset + off)
         region._arena = self
         region._off = b
@@ -314,13 +339,50 @@ class Arena:
         # The generation first: a reader that copied from the region before this store sees the
         # old value; any byte written into it after this comes after the new value (x86-64 TSO).
         self._gens[b] += 1
-        # Nothing in the daemon holds it any more (a pin neither): what it held goes, so the file a
-        # subscriber group may map never shows an evicted or finished capture (one pass over
-        # memory the daemon just stopped using; its pages stay reserved, unlike a punched hole).
-        ctypes.memset(self._data_addr + b * af.BLOCK, 0, blocks * af.BLOCK)
+        # Nothing in the daemon holds it any more (a pin neither): what it held goes with the next
+        # record written into it or with `sweep` (its pages stay reserved, unlike a punched hole).
+        self._dirty[b : b + blocks] = True
+        self._freed.append((time.monotonic(), b, blocks))
+        self.unzeroed_bytes += blocks * af.BLOCK
         self.allocated_bytes -= blocks * af.BLOCK
         self.regions -= 1
         self._give_range(b, b + blocks)
+
+    def sweep(self, now: float | None = None) -> int:
+        """Zero the freed regions that have been free for ZERO_WITHIN_S at `now` (monotonic), or all
+        of them when `now` is None (the daemon is idle). Returns the bytes zeroed."""
+        freed = self._freed
+        before = self.zeroed_bytes
+        while freed and (now is None or now - freed[0][0] >= ZERO_WITHIN_S):
+            _, b, blocks = freed.popleft()
+            if self.unzeroed_bytes:
+                self._zero_dirty(b, b + blocks)
+        return self.zeroed_bytes - before
+
+    def _zero_dirty(self, lo: int, hi: int, skip: int = 0) -> None:
+        """Zero the freed blocks among [lo, hi), past the first `skip` bytes of block lo, and mark
+        them clean."""
+        seg = self._dirty[lo:hi]
+        if seg.all():
+            runs = [(0, hi - lo)]
+        elif not seg.any():
+            return
+        else:
+            edges = np.flatnonzero(np.diff(seg.view(np.int8), prepend=0, append=0))
+            runs = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+        for s, e in runs:
+            start = (lo + s) * af.BLOCK + (skip if s == 0 else 0)
+            n = (lo + e) * af.BLOCK - start
+            ctypes.memset(self._data_addr + start, 0, n)
+            self.zeroed_bytes += n
+        self._forget_dirty(lo, hi)
+
+    def _forget_dirty(self, lo: int, hi: int) -> None:
+        seg = self._dirty[lo:hi]
+        n = int(np.count_nonzero(seg))
+        if n:
+            seg[:] = False
+            self.unzeroed_bytes -= n * af.BLOCK
 
     def _commit(self, off: int, size: int) -> bool:
         lo = (self.data_offset + off) // COMMIT_CHUNK
@@ -369,7 +431,8 @@ class Arena:
         return {"path": self.path, "id": f"{self.arena_id:016x}", "capacity": self.capacity,
                 "allocated_bytes": self.allocated_bytes, "peak_bytes": self.peak_bytes, "regions": self.regions,
                 "allocations": self.allocations, "fallbacks": self.fallbacks,
-                "write_failures": self.write_failures, "committed_bytes": self.committed_bytes}
+                "write_failures": self.write_failures, "committed_bytes": self.committed_bytes,
+                "unzeroed_bytes": self.unzeroed_bytes, "zeroed_bytes": self.zeroed_bytes}
 
 
 def remove_stale(dir_fd: int, directory: str) -> None:

@@ -20,8 +20,9 @@ def config_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """Adds `config_path` and one keyword argument per DaemonConfig field to the command."""
     for field in reversed(dataclasses.fields(DaemonConfig)):
         help_text = f"{DOCS.get(field.name, '')} [env {env_var(field.name)}]".strip()
-        if field.type in (bool, "bool"):  # a switch: given means true, absent means "not given" (None)
-            f = click.option(flag_name(field.name), field.name, is_flag=True, default=None, help=help_text)(f)
+        if field.type in (bool, "bool"):  # --x / --no-x; absent means "not given" (None)
+            flag = flag_name(field.name)
+            f = click.option(f"{flag}/--no-{flag[2:]}", field.name, default=None, help=help_text)(f)
             continue
         f = click.option(flag_name(field.name), field.name, default=None, metavar="VALUE", help=help_text)(f)
     return click.option(

@@ -30,6 +30,7 @@ class DaemonConfig:
     arena_bytes: int = 2 << 30  # shared memory for delivered arrays (same-host subscribers map it); 0 = off
     arena_dir: str = ""  # the arena's directory, readable by socket_group; "" = resolved_arena_dir()
     arena_linger_s: float = 10.0  # a capture fully sent to an arena subscriber stays this long for it to copy
+    ring_copier: bool = True  # large ring payloads copied into the arena by a child that maps the rings
     max_connections: int = 4096  # connections to the socket in all; more are refused
     max_connections_per_peer: int = 1024  # per process (ipc://) or address (tcp://)
     max_subscriptions: int = 65536  # subscriptions in all; more are refused with an error

@@ -87,8 +87,9 @@ class RingSide:
         return sink
 
     def _batch_alloc(self, nbytes: int) -> Any:
-        """Where a record read whole (a DataBatch) goes: one region of the arena for all of it."""
-        return self.arena.alloc((nbytes,), np.uint8) if self.arena is not None else None
+        """Where a record read whole (a DataBatch), or a run of steps, goes: one region of the arena
+        for all of it, every byte of which the caller writes (the read, or step_runs.join)."""
+        return self.arena.alloc((nbytes,), np.uint8, overwrite=True) if self.arena is not None else None
 
     def _discover(self, now: float) -> None:
         if self._doorbell is None:
@@ -131,6 +132,7 @@ class RingSide:
             return
         reader.sink = self._sink(c.instance)
         reader.batch_alloc = self._batch_alloc
+        reader.copier = self.copier
         ring = self._rings[c.key] = OpenRing(reader, c.instance, c.dir_fd, checked=now)
         if reader.resumed:
             self._reassembler(c.instance).resumed_ring(reader.name)
@@ -270,6 +272,8 @@ class RingSide:
             self.arena.write_failed(ring.reader.sink_failures - ring.sink_failures,
                                     "a region handed out could not be written (EFAULT)")
             ring.sink_failures = ring.reader.sink_failures
+        if recs:
+            ring.reader.read_ahead()  # the next large record copies while these are handled
         reasm = self._reassembler(ring.instance)
         now = time.monotonic()  # the read time: delivery latency is measured from here
         rejections = ring.reader.rejections

@@ -60,6 +60,7 @@ from vllm_tap import wire_format as wf
 
 from vllm_tap.daemon import handover
 from vllm_tap.daemon.arena import Arena
+from vllm_tap.daemon.copier import Copier
 from vllm_tap.safe_paths import UnsafePath
 
 from vllm_tap.daemon.access import (RingAccess, narrow_socket, prepare_arena_dir, prepare_socket_dir, socket_gid,
@@ -87,6 +88,7 @@ ON_TICK_INTERVAL_S = 0.05
 PROBE_INTERVAL_S = 1.0  # how often connections holding subscriptions are checked for having gone
 SNDHWM = 256  # messages the socket holds per subscriber before sends to it would block
 MAX_FRAME_BYTES = 1 << 20  # a request is one frame of at most wire_format.MAX_REQUEST_BYTES
+ZERO_IDLE_S = 0.05  # this long with nothing to do, and the arena's freed regions are zeroed
 IDLE_AFTER_S = 1.0  # after this long with nothing to do ...
 IDLE_SLEEP_S = 0.005  # ... sleep up to this long between ring polls (no doorbell)
 DOORBELL_BACKSTOP_S = TICK_INTERVAL_S  # with the doorbell: the longest sleep (the tick is due then)
@@ -159,6 +161,7 @@ class Daemon(RingSide, SubscriberSide, StatusSide):
         self._fd_due = False
         self._doorbell: Doorbell | None = None  # writers wake us through it; bound once shm_dir exists
         self.arena: Arena | None = None  # delivered arrays; created at start-up (arena_bytes > 0)
+        self.copier: Copier | None = None  # copies large ring payloads into the arena (daemon/copier.py)
         # Captures fully handed to an arena subscriber's socket, kept until it had time to copy them:
         # routing id -> [(deadline, entry, subscription id)], plus the bytes they hold (see the
         # module docstring). A client that read to the End says so (a cancel): its pins go then.
@@ -223,6 +226,8 @@ class Daemon(RingSide, SubscriberSide, StatusSide):
                         self._shutdown()
             finally:
                 self._sock = None
+                if self.copier is not None:
+                    self.copier.close()
                 if self.arena is not None:
                     self.arena.close()  # also when start-up failed after making it
                 peers, self._peers = self._peers, None
@@ -279,6 +284,9 @@ class Daemon(RingSide, SubscriberSide, StatusSide):
             if busy:
                 idle_since = now
                 continue
+            if self.arena is not None and self.arena.unzeroed_bytes and now - idle_since >= ZERO_IDLE_S:
+                with self._lock:
+                    self.arena.sweep()
             # Descriptors that wake the loop besides the socket: inotify, and one pidfd per writer.
             want = set(self._by_pidfd)
             if self._dir.fileno() is not None:
@@ -337,6 +345,8 @@ class Daemon(RingSide, SubscriberSide, StatusSide):
                 self._dispatch(reasm.tick(now), now)
             self._shed(now)
             self.store.evict(now)
+            if self.arena is not None:
+                self.arena.sweep(now)
             self.watch.tick(now)
             self._expire_pending(now)
             if now - self._last_liveness >= LIVENESS_INTERVAL_S:
@@ -366,6 +376,8 @@ class Daemon(RingSide, SubscriberSide, StatusSide):
                         e.strerror or e)
             return
         self.arena.remove_dir = made
+        if self.config.ring_copier:
+            self.copier = Copier(self.arena)
         self.watch.arena = self.arena
         self.watch.pin = self._pin
         for r in self._reasm.values():
@@ -433,6 +445,8 @@ class Daemon(RingSide, SubscriberSide, StatusSide):
         if self._doorbell is not None:
             self._doorbell.close()
             self._doorbell = None
+        if self.copier is not None:
+            self.copier.close()
         if self.arena is not None:
             self.arena.close()
 

@@ -100,6 +100,8 @@ class StatusSide:
                 "epoch": info.epoch, "capacity": info.capacity, "pending_bytes": info.backlog_bytes,
                 "read_cursor": info.read_cursor, "write_cursor": info.write_cursor, "corrupt": ring.reader.corrupt,
                 "rejected": ring.reader.rejected, "writer": dict(info.stats),
+                # Large records whose copy started while the one before was handled, and were used.
+                "read_ahead": ring.reader.read_aheads, "read_ahead_taken": ring.reader.read_aheads_taken,
             })
         reasm_stats: dict[str, int] = {}
         requests: list[dict[str, Any]] = []
@@ -121,6 +123,8 @@ class StatusSide:
             # Shared memory the delivered arrays live in (null: off, or shm_dir not there yet).
             "arena": dict(self.arena.snapshot(), pinned_bytes=self._pinned_bytes,
                           pinned_captures=sum(len(v) for v in self._pins.values())) if self.arena is not None else None,
+            # The child that copies large ring payloads into the arena (null: none, no arena or turned off).
+            "copier": self.copier.snapshot() if self.copier is not None else None,
             "discovery": "inotify" if self._dir.watching else "scan",
             "rings": rings,
             "rings_refused": c.rings_refused,

@@ -69,7 +69,10 @@ class DaemonProcess:
         from vllm_tap.daemon.config_load import flag_name
 
         for k, v in self.settings.items():
-            argv += [flag_name(k), str(v)]
+            if isinstance(v, bool):  # a switch
+                argv.append(flag_name(k) if v else f"--no-{flag_name(k)[2:]}")
+            else:
+                argv += [flag_name(k), str(v)]
         return argv
 
     def start(self, wait: bool = True) -> "DaemonProcess":

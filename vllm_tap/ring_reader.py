@@ -162,6 +162,15 @@ class RingReader:
         # read with one copy into the buffer this gives (ring_schema.BatchAlloc), not as one
         # RingRecord per request and tensor.
         self.batch_alloc: ring_schema.BatchAlloc | None = None
+        # Copies a large payload into a batch buffer another way than pread (the daemon's copier:
+        # `copy(reader, offset, buf) -> bool`, False to read it here after all; `forget(reader)`).
+        self.copier: Any = None
+        # The next large record's payload on its way into a batch buffer through the copier, asked
+        # for by read_ahead while the daemon handles the last one: (file offset, bytes, buffer, token).
+        self._ahead: tuple[int, int, np.ndarray, Any] | None = None
+        self._last_large = False  # the last record poll read was a large DATA record
+        self.read_aheads = 0  # copies read_ahead started, and of those, the ones poll took
+        self.read_aheads_taken = 0
         self._stamped = 0
         self._logged = 0
         self._unlogged = 0
@@ -348,7 +357,7 @@ class RingReader:
                 break
             try:
                 h = ring_schema.parse_header(win, o)
-                after_large = h.kind == rf.RecordKind.DATA and total >= _DIRECT
+                after_large = self._last_large = h.kind == rf.RecordKind.DATA and total >= _DIRECT
                 if after_large:
                     out.extend(self._read_direct(at, h, win[o:win_hi - win_lo]))
                 elif r + total <= win_hi:
@@ -365,6 +374,8 @@ class RingReader:
             except ring_schema.Rejected as e:
                 self._reject(r, e, len(out))
             r += total
+            if after_large and self.copier is not None:
+                break  # one large record a poll: read_ahead copies the next while the caller handles it
         if r == w and w != w_full:
             self._lose(r, w_full, f"write cursor {w_full} is not on a record boundary")
             r = w_full
@@ -393,11 +404,15 @@ class RingReader:
         """Every section's payload with one read, straight into one buffer."""
         lo, hi = ring_schema.payload_span(plans)
         off = rf.HEADER_SIZE + at + lo
+        ahead = self._take_ahead(off, hi - lo)
+        if ahead is not None:
+            return ring_schema.data_batch(plans, ahead)
         buf = self.batch_alloc(hi - lo) if self.batch_alloc is not None else None
         try:
             if buf is None:
                 buf = np.empty(hi - lo, np.uint8)
-            self._pread_split(buf, off)
+            if self.copier is None or not self.copier.copy(self, off, buf):
+                self._pread_split(buf, off)
         except OSError as e:
             if e.errno != errno.EFAULT:
                 raise
@@ -409,6 +424,62 @@ class RingReader:
             buf = np.empty(hi - lo, np.uint8)
             self._pread_into(buf, off)
         return ring_schema.data_batch(plans, buf)
+
+    def read_ahead(self) -> None:
+        """After a poll that ended on a large DATA record, with a copier: start copying the next
+        committed record's payload (if it is a large one that goes whole into a batch buffer), so
+        the copy runs while the caller handles what poll returned. The record is not consumed: the
+        next poll takes the buffer once the copy has landed. Never raises; whatever stands in the
+        way (nothing committed, a PAD, a record that does not fit the schema) is left to poll."""
+        if self.copier is None or self.batch_alloc is None or self._ahead is not None or not self._last_large:
+            return
+        try:
+            r, w, cap = self._r, self.write_cursor(), self.capacity
+            at = r % cap
+            n = min(w - r, cap - at, _PREFIX)
+            if n < rf.RECORD_HEADER_SIZE or w - r > cap:
+                return
+            head = np.empty(n, np.uint8)
+            self._pread_into(head, rf.HEADER_SIZE + at)
+            magic, total = rf.PAD_HEADER.unpack_from(head, 0)
+            if magic != rf.RECORD_MAGIC or total < _DIRECT or total % rf.ALIGN or total > min(w - r, cap - at):
+                return
+            h = ring_schema.parse_header(head, 0)
+            if h.kind != rf.RecordKind.DATA:
+                return
+            prefix_len = ring_schema.data_layout(h)[4]
+            if prefix_len > n:
+                if prefix_len > total:
+                    return
+                head = np.empty(prefix_len, np.uint8)
+                self._pread_into(head, rf.HEADER_SIZE + at)
+            plans = ring_schema.plan_data(head[:prefix_len], h, ring=self.name, epoch=self.epoch,
+                                          table_cache=self._table_cache)
+            if not ring_schema.batchable(plans):
+                return
+            lo, hi = ring_schema.payload_span(plans)
+            buf = self.batch_alloc(hi - lo)
+            if buf is None:
+                return
+            off = rf.HEADER_SIZE + at + lo
+            token = self.copier.start(self, off, buf)
+            if token is not None:
+                self._ahead = (off, hi - lo, buf, token)
+                self.read_aheads += 1
+        except (ring_schema.Rejected, RingBroken, OSError, ValueError):
+            return
+
+    def _take_ahead(self, off: int, nbytes: int) -> np.ndarray | None:
+        """The buffer read_ahead filled, if it is this payload's; a copy for anything else is waited
+        for (its buffer may be freed only once nothing writes into it) and dropped."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        landed = self.copier.finish(ahead[3])
+        if landed and ahead[0] == off and ahead[1] == nbytes:
+            self.read_aheads_taken += 1
+            return ahead[2]
+        return None
 
     def _read_plan(self, at: int, plan: "ring_schema.DataPlan") -> list[RingRecord]:
         h = plan.h
@@ -471,6 +542,9 @@ class RingReader:
             self._unlogged = 0
 
     def close(self) -> None:
+        if self.copier is not None:
+            self._take_ahead(-1, 0)
+            self.copier.forget(self)
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -310,7 +310,9 @@ def test_an_evicted_capture_leaves_nothing_readable_in_the_arena_file(daemon_fac
     _wait(lambda: d.status()["evicted_requests"] >= 1, what="retention to evict")
     with pytest.raises(CaptureEvicted):
         Client(d.endpoint).fetch(sc.request_id(0), timeout=5)
-    _wait(lambda: d.status()["arena"]["regions"] == 0, what="every region to be freed")
+    # Freed, then zeroed once the daemon is idle (or, under load, overwritten or zeroed within a second).
+    _wait(lambda: d.status()["arena"]["regions"] == 0 and d.status()["arena"]["unzeroed_bytes"] == 0,
+          what="every region to be freed and zeroed")
     with open(path, "rb") as f:
         data = f.read()
     exp = expected(sc, 0)
@@ -348,6 +350,48 @@ def test_allocator_generations_move_when_a_region_is_freed(shm_dir):
     finally:
         a.close()
     assert not os.path.exists(a.path)
+
+
+def test_a_freed_region_is_overwritten_whole_or_zeroed_never_handed_out_stale(shm_dir):
+    import vllm_tap.daemon.arena as arena_mod
+
+    a = Arena.create(shm_dir, 4 << 20)
+    block = af.BLOCK
+    file_view = np.frombuffer(a._mm, np.uint8)[a.data_offset:]
+    try:
+        x = a.alloc((2 * block,), np.uint8)
+        x[:] = 0xAB
+        assert a.locate(x)[2] == 0
+        del x  # freed: not zeroed yet (no pass over memory at every free)
+        assert a.unzeroed_bytes == 2 * block and (file_view[:2 * block] == 0xAB).all()
+        # Taken again for something the caller fills only in part: every stale byte is zero first.
+        y = a.alloc((block,), np.uint8)
+        assert a.locate(y)[2] == 0 and (y == 0).all()
+        assert a.unzeroed_bytes == block  # the block given back past it is still stale
+        y[:] = 0xCD
+        del y
+        # Taken for a whole overwrite (a ring read): only what lies past the array's end is zeroed.
+        z = a.alloc((100,), np.uint8, overwrite=True)
+        assert a.locate(z)[2] == 0 and a.unzeroed_bytes == block
+        assert (file_view[:100] == 0xCD).all()  # what the read will overwrite
+        assert not file_view[100:block].any(), "the tail past the array kept stale bytes"
+        assert (file_view[block:2 * block] == 0xAB).all()
+        z[:] = 1
+        del z
+        # Under load: regions free for ZERO_WITHIN_S are zeroed by sweep(now); younger ones wait.
+        t0 = time.monotonic()
+        assert a.sweep(t0) == 0 and a.unzeroed_bytes == 2 * block
+        assert a.sweep(t0 + arena_mod.ZERO_WITHIN_S + 0.01) == 2 * block
+        assert a.unzeroed_bytes == 0 and not file_view[:2 * block].any()
+        # Idle: sweep() zeroes whatever is stale at once.
+        w = a.alloc((block,), np.uint8, overwrite=True)
+        w[:] = 9
+        del w
+        assert a.sweep() == block and not file_view[:block].any()
+        assert a.regions == 0 and a.allocated_bytes == 0
+    finally:
+        del file_view
+        a.close()
 
 
 def test_allocator_regions_never_overlap_and_everything_comes_back(shm_dir):

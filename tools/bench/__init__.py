@@ -99,6 +99,22 @@ def proc_cpu_seconds(pid: int) -> float:
         return 0.0
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """user+system CPU seconds of a process, its children that ended (waited for) and its live
+    descendants: a daemon's work includes what its helper processes do."""
+    total = 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total = sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                total += sum(tree_cpu_seconds(int(c)) for c in f.read().split())
+    except (OSError, IndexError, ValueError):
+        pass
+    return total
+
+
 def group_pids(pgid: int) -> list[int]:
     """Pids of the processes in process group pgid (a vLLM server and its engine/workers)."""
     out = []

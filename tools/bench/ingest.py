@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from vllm_tap.tools.bench import loadavg, median, proc_cpu_seconds, spread
+from vllm_tap.tools.bench import loadavg, median, proc_cpu_seconds, spread, tree_cpu_seconds
 
 INSTANCE = "ingest"
 MiB = 1 << 20
@@ -222,18 +222,18 @@ def _trial(shape: str, p: IngestParams, daemon_pid: int, shm: str, tag: str,
     results, close = ctx.Queue(), ctx.Queue()
     st0 = status()
     lost0, arena0 = _losses(st0), _arena(st0)
-    cpu_all = proc_cpu_seconds(daemon_pid)
+    cpu_all = tree_cpu_seconds(daemon_pid)
     proc = ctx.Process(target=_writer_main, args=(shm, shape, asdict(p), tag, results, close))
     proc.start()
     try:
         assert results.get(timeout=900) == {"warm": True}
-        cpu0, wcpu0 = proc_cpu_seconds(daemon_pid), proc_cpu_seconds(proc.pid)
+        cpu0, wcpu0 = tree_cpu_seconds(daemon_pid), proc_cpu_seconds(proc.pid)
         got = results.get(timeout=900)
         deadline = time.monotonic() + 600
         while read_info(got["ring"]).backlog_bytes and time.monotonic() < deadline:
             time.sleep(0.001)
         t_end = time.perf_counter()  # CLOCK_MONOTONIC, as the writer's stamps
-        cpu = proc_cpu_seconds(daemon_pid) - cpu0
+        cpu = tree_cpu_seconds(daemon_pid) - cpu0
         wcpu = proc_cpu_seconds(proc.pid) - wcpu0  # it waits for `close` once it has written all
     finally:
         close.put(None)
