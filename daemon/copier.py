@@ -16,10 +16,8 @@ Rules this module keeps:
   ring then gives a short read: RingBroken, as always). The child is then killed and a new one is
   started on a later copy, at most once per RESTART_AFTER_S; each loss is logged and counted.
 - Only what is worth a round trip goes through it: payloads of at least MIN_BYTES, in the arena.
-  One thread copies, in the order asked: two copying at once ran ~1.3x faster and cost ~1.4x the
-  CPU per GB here (memory, not cores, bounds a copy). The daemon overlaps copies with its own work
-  instead: `start` asks and returns, `finish` waits (the ring reader reads the next large record
-  ahead this way while the daemon handles the last one).
+  The daemon overlaps copies with its own work: `start` asks and returns, `finish` waits (the ring
+  reader reads the next large record ahead this way while the daemon handles the last one).
 - A ring reader that closes tells the copier (`forget`), which unmaps it in the child: a deleted
   ring's pages are not kept alive by a stale mapping.
 
@@ -50,6 +48,10 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 MIN_BYTES = 2 << 20  # smaller payloads are read with pread (a round trip to the child is ~50 µs)
+# Pieces a payload is cut into, copied by as many threads of the child at once. One: two ran ~1.3x
+# faster and cost ~1.4x the CPU per GB here (memory, not cores, bounds a copy), and the daemon
+# overlaps each copy with its own work anyway (read ahead).
+PARTS = 1
 COPY_TIMEOUT_S = 5.0  # no answer by then: the child is taken for stuck, killed, and pread takes over
 RESTART_AFTER_S = 10.0
 
@@ -74,6 +76,7 @@ class Copier:
         self._generation = 0  # of the child: tokens of one that is gone fail
         self._answers: dict[int, int] = {}  # sequence -> status, answered and not finished yet
         self.copies = 0
+        self.waited_s = 0.0  # the daemon's time waiting for copies to land
         self.losses = 0  # children that died or stopped answering
 
     # -- the daemon side --
@@ -84,7 +87,7 @@ class Copier:
         token = self.start(reader, offset, buf)
         return token is not None and self.finish(token)
 
-    def start(self, reader: Any, offset: int, buf: np.ndarray) -> tuple[int, int] | None:
+    def start(self, reader: Any, offset: int, buf: np.ndarray) -> tuple[int, list[int]] | None:
         """Ask for the copy and return at once: a token for `finish`, or None (not taken: read it
         another way). The ring's bytes must stay where they are until `finish` (not consumed)."""
         n = buf.nbytes
@@ -101,21 +104,27 @@ class Copier:
             key = self._keys.get(id(reader))
             if key is None:
                 key = self._map(reader)
-            self._seq += 1
-            self._sock.send(_COPY_CMD.pack(_COPY, key, offset, self.arena.data_offset + where[2], n, self._seq))
+            dst = self.arena.data_offset + where[2]
+            step = (n // PARTS + 4095) // 4096 * 4096
+            seqs = []
+            for a in range(0, n, step):
+                self._seq += 1
+                seqs.append(self._seq)
+                self._sock.send(_COPY_CMD.pack(_COPY, key, offset + a, dst + a, min(step, n - a), self._seq))
         except OSError as e:
             self._lost(str(e) or type(e).__name__)
             return None
-        return (self._generation, self._seq)
+        return (self._generation, seqs)
 
-    def finish(self, token: tuple[int, int]) -> bool:
+    def finish(self, token: tuple[int, list[int]]) -> bool:
         """Wait for a copy `start` took: True once it landed; False if it did not (read it another
         way: the bytes in its buffer are undefined)."""
-        generation, seq = token
+        generation, seqs = token
         if generation != self._generation or self._sock is None:
             return False  # that child is gone
+        t0 = time.perf_counter()
         try:
-            while seq not in self._answers:
+            while not all(q in self._answers for q in seqs):
                 msg = self._sock.recv(64)
                 if len(msg) != _DONE.size:
                     raise ConnectionError("the copier closed its socket" if not msg else "a malformed answer")
@@ -126,9 +135,10 @@ class Copier:
         except (OSError, ConnectionError) as e:
             self._lost(str(e) or type(e).__name__)
             return False
+        self.waited_s += time.perf_counter() - t0
         # Not 0: bounds the daemon computed from a ring it checked; the ring changed size. pread
         # tells that properly, and the child is fine.
-        if self._answers.pop(seq) != 0:
+        if any([self._answers.pop(q) != 0 for q in seqs]):
             return False
         self.copies += 1
         return True
@@ -156,7 +166,7 @@ class Copier:
 
     def snapshot(self) -> dict[str, Any]:
         return {"running": self._sock is not None, "pid": self._proc.pid if self._proc is not None else None,
-                "copies": self.copies, "losses": self.losses}
+                "copies": self.copies, "waited_s": round(self.waited_s, 3), "losses": self.losses}
 
     def _start(self) -> bool:
         if time.monotonic() < self._down_until:
@@ -231,7 +241,7 @@ def _child(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     rings: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
     arena: np.ndarray | None = None
-    pool = concurrent.futures.ThreadPoolExecutor(1)  # in order; the receiving thread stays free
+    pool = concurrent.futures.ThreadPoolExecutor(PARTS)  # the receiving thread stays free
 
     def copy(seq: int, key: int, src: int, dst: int, n: int) -> None:
         ring = rings.get(key)

@@ -166,8 +166,10 @@ class RingReader:
         # `copy(reader, offset, buf) -> bool`, False to read it here after all; `forget(reader)`).
         self.copier: Any = None
         # The next large record's payload on its way into a batch buffer through the copier, asked
-        # for by read_ahead while the daemon handles the last one: (file offset, bytes, buffer, token).
+        # for by read_ahead while the daemon handles the last one: (cursor, bytes, buffer, token). By
+        # cursor, not file offset: a cursor never comes back, an offset does every lap.
         self._ahead: tuple[int, int, np.ndarray, Any] | None = None
+        self._at_cursor = 0  # the cursor of the record poll is reading
         self._last_large = False  # the last record poll read was a large DATA record
         self.read_aheads = 0  # copies read_ahead started, and of those, the ones poll took
         self.read_aheads_taken = 0
@@ -356,6 +358,7 @@ class RingReader:
                 r = w
                 break
             try:
+                self._at_cursor = r
                 h = ring_schema.parse_header(win, o)
                 after_large = self._last_large = h.kind == rf.RecordKind.DATA and total >= _DIRECT
                 if after_large:
@@ -404,7 +407,7 @@ class RingReader:
         """Every section's payload with one read, straight into one buffer."""
         lo, hi = ring_schema.payload_span(plans)
         off = rf.HEADER_SIZE + at + lo
-        ahead = self._take_ahead(off, hi - lo)
+        ahead = self._take_ahead(self._at_cursor, hi - lo)
         if ahead is not None:
             return ring_schema.data_batch(plans, ahead)
         buf = self.batch_alloc(hi - lo) if self.batch_alloc is not None else None
@@ -464,19 +467,20 @@ class RingReader:
             off = rf.HEADER_SIZE + at + lo
             token = self.copier.start(self, off, buf)
             if token is not None:
-                self._ahead = (off, hi - lo, buf, token)
+                self._ahead = (r, hi - lo, buf, token)
                 self.read_aheads += 1
         except (ring_schema.Rejected, RingBroken, OSError, ValueError):
             return
 
-    def _take_ahead(self, off: int, nbytes: int) -> np.ndarray | None:
-        """The buffer read_ahead filled, if it is this payload's; a copy for anything else is waited
-        for (its buffer may be freed only once nothing writes into it) and dropped."""
+    def _take_ahead(self, cursor: int, nbytes: int) -> np.ndarray | None:
+        """The buffer read_ahead filled, if it is the payload of the record at `cursor`; a copy for
+        anything else is waited for (its buffer may be freed only once nothing writes into it) and
+        dropped."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
         landed = self.copier.finish(ahead[3])
-        if landed and ahead[0] == off and ahead[1] == nbytes:
+        if landed and ahead[0] == cursor and ahead[1] == nbytes:
             self.read_aheads_taken += 1
             return ahead[2]
         return None
