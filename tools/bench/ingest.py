@@ -17,7 +17,8 @@ reassembles and retains (evicting the oldest), which is its work for every captu
 
 Reported per shape and repeat: steps/s and GB/s of payload from the first measured step committed
 to the daemon having read the last one (the ring drained: the daemon's pace, which bounds the
-writer's too), the daemon's CPU seconds per GB and per 1000 steps (utime+stime from /proc, from the
+writer's too), the daemon's CPU seconds per GB and per 1000 steps (utime+stime from /proc, its child
+processes' included (the ring copier), from the
 first measured step to the ring drained: sustained, after the warm-up steps in which the delivery
 arena grows to its working size; the warm-up's CPU is reported apart), and the tmpfs copy rate (a numpy copy of 256 MiB
 between two /dev/shm files, before every trial). Also reported: the share of what the daemon read that went into its delivery arena (the rest stayed
