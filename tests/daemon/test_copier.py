@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from synthetic_writer import write_decode_backlog
 from vllm_tap import ring_format as rf
 from vllm_tap.daemon import copier as copier_mod
 from vllm_tap.daemon.arena import Arena
@@ -30,9 +31,7 @@ def test_a_backlog_of_full_logits_arrives_exact_through_the_copier_read_ahead(da
     """Steps of full logits (2.5 MiB a record) pile up while the daemon is stopped; it then reads
     them through the copier, each next record's copy started while the last is handled. Every value
     arrives exactly as written."""
-    from vllm_tap.ring_files import ring_path
-    from vllm_tap.ring_records import RequestRef, RequestTable, TensorId
-    from vllm_tap.ring_writer import RingWriter
+    from vllm_tap.ring_records import TensorId
     from vllm_tap.spec import CaptureSpec, LogitsMode, PositionsMode
 
     d = daemon_factory(end_grace_s=1.0)
@@ -41,51 +40,21 @@ def test_a_backlog_of_full_logits_arrives_exact_through_the_copier_read_ahead(da
     rids = [f"copied-{i}" for i in range(n)]
     sections = ((TensorId(rf.TensorKind.LOGITS), rf.DType.FLOAT32, vocab, (0, vocab), vocab),)
 
-    def row(i: int, pos: int) -> np.ndarray:
+    def row(i: int, pos: int, section: int = 0) -> np.ndarray:
         return (np.arange(vocab) * 0.5 + 1000 * int(pos) + 100_000 * i).astype(np.float32)
 
-    eng = RingWriter(ring_path(shm_dir, "default", rf.ENGINE_RANK), 1 << 20, rank=rf.ENGINE_RANK)
-    w = RingWriter(ring_path(shm_dir, "default", 0), 64 << 20)
-    try:
-        for rid in rids:
-            eng.write_control(rf.RecordKind.BEGIN, rid, {
-                "spec": spec, "source": "client", "num_prompt_tokens": prompt, "prompt_token_ids": list(range(prompt)),
-                "n": 1, "model": "m"})
-        assert eng.flush()
-        _wait(lambda: d.status()["requests_in_flight"] == n, what="every BEGIN")
-        os.kill(d.proc.pid, signal.SIGSTOP)
-        try:
-            table = RequestTable([RequestRef(rid, "", prompt, 1, 1, prompt - 1, 0, "client") for rid in rids])
-            buf = np.frombuffer(w.buffer, np.uint8)
-            for j in range(steps):
-                pos = prompt - 1 + j
-                rows = np.array([np.arange(n), np.full(n, pos), np.arange(n) + pos], np.int32)
-                res = w.reserve_sections(table, rows, sections, step=j + 1)
-                assert res is not None
-                (at, nb), = res.sections
-                buf[at : at + nb] = np.stack([row(i, pos) for i in range(n)]).reshape(-1).view(np.uint8)
-                w.commit(res)
-            for rid in rids:
-                eng.write_control(rf.RecordKind.END, rid, {
-                    "reason": "length", "num_prompt_tokens": prompt, "num_output_tokens": steps + 1,
-                    "output_token_ids": [], "end_position": prompt - 1 + steps, "spec": spec, "source": "client"})
-            assert eng.flush()
-        finally:
-            os.kill(d.proc.pid, signal.SIGCONT)
-        c = d.client()
-        pos = np.arange(prompt - 1, prompt - 1 + steps)
-        for i, rid in enumerate(rids):
-            cap = c.fetch(rid, timeout=30)
-            assert cap.positions.tolist() == pos.tolist() and cap.missing_positions == [] and cap.complete, rid
-            assert cap.arrays()["logits"].tobytes() == np.stack([row(i, p) for p in pos]).tobytes(), rid
-        s = d.status()
-        assert s["copier"]["running"] and s["copier"]["losses"] == 0
-        assert s["copier"]["copies"] >= steps - 1, s["copier"]  # the first may go by pread while it starts
-        ring = next(r for r in s["rings"] if r["rank"] == 0)
-        assert ring["read_ahead_taken"] >= steps // 2, ring
-    finally:
-        w.close()
-        eng.close()
+    write_decode_backlog(shm_dir, d, rids, spec, prompt, steps, sections, row, ring_bytes=64 << 20)
+    c = d.client()
+    pos = np.arange(prompt - 1, prompt - 1 + steps)
+    for i, rid in enumerate(rids):
+        cap = c.fetch(rid, timeout=30)
+        assert cap.positions.tolist() == pos.tolist() and cap.missing_positions == [] and cap.complete, rid
+        assert cap.arrays()["logits"].tobytes() == np.stack([row(i, p) for p in pos]).tobytes(), rid
+    s = d.status()
+    assert s["copier"]["running"] and s["copier"]["losses"] == 0
+    assert s["copier"]["copies"] >= steps - 1, s["copier"]  # the first may go by pread while it starts
+    ring = next(r for r in s["rings"] if r["rank"] == 0)
+    assert ring["read_ahead_taken"] >= steps // 2, ring
 
 
 class _Ring:
@@ -141,7 +110,7 @@ def test_a_ring_truncated_under_the_copier_kills_the_child_not_the_caller(shm_di
         os.close(ring2.fd)
     finally:
         cp.close()
-        del buf
+        buf = None
         a.close()
 
 

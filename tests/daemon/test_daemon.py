@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -17,7 +16,8 @@ import numpy as np
 import pytest
 import zmq
 
-from synthetic_writer import Scenario, SyntheticEngine, assert_capture, capture_arrays, expected, output_token_ids
+from synthetic_writer import (Scenario, SyntheticEngine, assert_capture, capture_arrays, expected, output_token_ids,
+                              write_decode_backlog)
 from vllm_tap import wire_format as wf
 from vllm_tap.client import AmbiguousCapture, CaptureEvicted, Chunk, Client, DaemonStopped, Gap
 from vllm_tap.daemon.reassembly import Begin, End, Tokens
@@ -394,9 +394,7 @@ def test_a_backlog_of_decode_steps_read_after_a_stop_arrives_whole_with_its_step
     exactly the bytes written, every position, with and without the newest position held back
     (async scheduling), through the delivery arena."""
     from vllm_tap import ring_format as rf
-    from vllm_tap.ring_files import ring_path
-    from vllm_tap.ring_records import RequestRef, RequestTable, TensorId
-    from vllm_tap.ring_writer import RingWriter
+    from vllm_tap.ring_records import TensorId
     from vllm_tap.spec import CaptureSpec, LogitsMode, PositionsMode
 
     n, prompt, steps, k = 24, 8, 60, 20
@@ -409,47 +407,22 @@ def test_a_backlog_of_decode_steps_read_after_a_stop_arrives_whole_with_its_step
     def vals(i: int, pos: int, width: int, kind: int) -> np.ndarray:
         return (np.arange(width) + 1000 * pos + 100_000 * i + 10_000_000 * kind).astype(np.int32)
 
-    eng = RingWriter(ring_path(shm_dir, "default", rf.ENGINE_RANK), 1 << 20, rank=rf.ENGINE_RANK)
-    w = RingWriter(ring_path(shm_dir, "default", 0), 16 << 20)
-    try:
-        for i, rid in enumerate(rids):
-            eng.write_control(rf.RecordKind.BEGIN, rid, {
-                "spec": spec, "source": "client", "num_prompt_tokens": prompt, "prompt_token_ids": list(range(prompt)),
-                "n": 1, "model": "m", "async_scheduling": i % 2 == 0})
-        assert eng.flush()
-        _wait(lambda: daemon_proc.status()["requests_in_flight"] == n, what="every BEGIN")
-        os.kill(daemon_proc.proc.pid, signal.SIGSTOP)
-        try:
-            table = RequestTable([RequestRef(rid, "", prompt, 1, len(sections), prompt - 1, 0, "client") for rid in rids])
-            for j in range(steps):
-                pos = prompt - 1 + j
-                rows = np.array([np.arange(n), np.full(n, pos), np.arange(n) + pos], np.int32)
-                res = w.reserve_sections(table, rows, sections, step=j + 1)
-                assert res is not None
-                buf = np.frombuffer(w.buffer, np.uint8)
-                for (at, nb), (tid, _dt, width, _s, _f) in zip(res.sections, sections):
-                    a = np.stack([vals(i, pos, width, tid.kind) for i in range(n)])
-                    buf[at : at + nb] = (a if tid.kind == rf.TensorKind.TOPK_IDS else a.astype(np.float32)).reshape(-1).view(np.uint8)
-                w.commit(res)
-            for rid in rids:
-                eng.write_control(rf.RecordKind.END, rid, {
-                    "reason": "length", "num_prompt_tokens": prompt, "num_output_tokens": steps + 1,
-                    "output_token_ids": [], "end_position": prompt - 1 + steps, "spec": spec, "source": "client"})
-            assert eng.flush()
-        finally:
-            os.kill(daemon_proc.proc.pid, signal.SIGCONT)
-        c = daemon_proc.client()
-        for i, rid in enumerate(rids):
-            cap = c.fetch(rid, timeout=20)
-            pos = np.arange(prompt - 1, prompt - 1 + steps)
-            assert cap.positions.tolist() == pos.tolist() and cap.missing_positions == [] and cap.complete, rid
-            got = cap.arrays()
-            assert got["topk_ids"].tobytes() == np.stack([vals(i, p, k, rf.TensorKind.TOPK_IDS) for p in pos]).tobytes()
-            assert np.array_equal(got["topk_values"], np.stack([vals(i, p, k, rf.TensorKind.TOPK_VALUES) for p in pos]).astype(np.float32))
-            assert np.array_equal(got["logsumexp"].reshape(-1), np.array([vals(i, p, 1, rf.TensorKind.LOGSUMEXP)[0] for p in pos], np.float32))
-        s = daemon_proc.status()
-        assert s["steps_joined"] > steps // 2, s["steps_joined"]  # most steps were read in runs
-        assert s["arena_messages"] > 0 and s["drops"]["records"] == 0
-    finally:
-        w.close()
-        eng.close()
+    def fill(i: int, pos: int, section: int) -> np.ndarray:
+        tid, _dt, width, _s, _f = sections[section]
+        a = vals(i, pos, width, tid.kind)
+        return a if tid.kind == rf.TensorKind.TOPK_IDS else a.astype(np.float32)
+
+    write_decode_backlog(shm_dir, daemon_proc, rids, spec, prompt, steps, sections, fill,
+                         begin_meta=lambda i: {"async_scheduling": i % 2 == 0})
+    c = daemon_proc.client()
+    for i, rid in enumerate(rids):
+        cap = c.fetch(rid, timeout=20)
+        pos = np.arange(prompt - 1, prompt - 1 + steps)
+        assert cap.positions.tolist() == pos.tolist() and cap.missing_positions == [] and cap.complete, rid
+        got = cap.arrays()
+        assert got["topk_ids"].tobytes() == np.stack([vals(i, p, k, rf.TensorKind.TOPK_IDS) for p in pos]).tobytes()
+        assert np.array_equal(got["topk_values"], np.stack([vals(i, p, k, rf.TensorKind.TOPK_VALUES) for p in pos]).astype(np.float32))
+        assert np.array_equal(got["logsumexp"].reshape(-1), np.array([vals(i, p, 1, rf.TensorKind.LOGSUMEXP)[0] for p in pos], np.float32))
+    s = daemon_proc.status()
+    assert s["steps_joined"] > steps // 2, s["steps_joined"]  # most steps were read in runs
+    assert s["arena_messages"] > 0 and s["drops"]["records"] == 0

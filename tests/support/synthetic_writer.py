@@ -341,6 +341,51 @@ def write_scenario(shm_dir: str, sc: Scenario) -> None:
         eng.close()
 
 
+def write_decode_backlog(shm_dir: str, daemon, rids: list[str], spec: dict, prompt: int, steps: int,
+                         sections: tuple, fill, ring_bytes: int = 16 << 20, begin_meta=None) -> None:
+    """A backlog for a daemon to catch up on: every request's BEGIN (read before going on), then
+    `steps` decode steps of all of them written while the daemon is stopped (SIGSTOP), one record a
+    step with `sections`, then their ENDs; the daemon runs again after. fill(i, pos, section) -> the
+    row of request i at position pos (its bytes are what the record holds); begin_meta(i) -> more
+    BEGIN fields. Rings as a worker (rank 0) and its engine core write them."""
+    import signal
+
+    from waiting import wait_until
+
+    n = len(rids)
+    eng = RingWriter(ring_path(shm_dir, "default", rf.ENGINE_RANK), 1 << 20, rank=rf.ENGINE_RANK)
+    w = RingWriter(ring_path(shm_dir, "default", 0), ring_bytes)
+    try:
+        for i, rid in enumerate(rids):
+            eng.write_control(rf.RecordKind.BEGIN, rid, {
+                "spec": spec, "source": "client", "num_prompt_tokens": prompt, "prompt_token_ids": list(range(prompt)),
+                "n": 1, "model": "m", **(begin_meta(i) if begin_meta else {})})
+        assert eng.flush()
+        wait_until(lambda: daemon.status()["requests_in_flight"] == n, what="every BEGIN")
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            table = RequestTable([RequestRef(rid, "", prompt, 1, len(sections), prompt - 1, 0, "client") for rid in rids])
+            buf = np.frombuffer(w.buffer, np.uint8)
+            for j in range(steps):
+                pos = prompt - 1 + j
+                rows = np.array([np.arange(n), np.full(n, pos), np.arange(n) + pos], np.int32)
+                res = w.reserve_sections(table, rows, sections, step=j + 1)
+                assert res is not None
+                for k, (at, nb) in enumerate(res.sections):
+                    buf[at : at + nb] = np.stack([fill(i, pos, k) for i in range(n)]).reshape(-1).view(np.uint8)
+                w.commit(res)
+            for rid in rids:
+                eng.write_control(rf.RecordKind.END, rid, {
+                    "reason": "length", "num_prompt_tokens": prompt, "num_output_tokens": steps + 1,
+                    "output_token_ids": [], "end_position": prompt - 1 + steps, "spec": spec, "source": "client"})
+            assert eng.flush()
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+    finally:
+        w.close()
+        eng.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("shm_dir")

@@ -53,7 +53,6 @@ import os
 import queue
 import shutil
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
