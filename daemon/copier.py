@@ -68,7 +68,9 @@ class Copier:
         self.arena = arena
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
-        self._keys: dict[int, int] = {}  # id(reader) -> key the child maps it under
+        # reader -> the key the child maps its ring under (the reader itself as the key: an id
+        # could be another reader's once this one is gone).
+        self._keys: dict[Any, int] = {}
         self._next_key = 1
         self._seq = 0
         self._down_until = 0.0
@@ -101,7 +103,7 @@ class Copier:
         if not self._ready and not self._check_ready():
             return None  # still starting: pread meanwhile, never a wait
         try:
-            key = self._keys.get(id(reader))
+            key = self._keys.get(reader)
             if key is None:
                 key = self._map(reader)
             dst = self.arena.data_offset + where[2]
@@ -144,7 +146,7 @@ class Copier:
         return True
 
     def forget(self, reader: Any) -> None:
-        key = self._keys.pop(id(reader), None)
+        key = self._keys.pop(reader, None)
         if key is not None and self._sock is not None:
             try:
                 self._sock.send(_CMD.pack(_UNMAP, key))
@@ -213,7 +215,7 @@ class Copier:
         key = self._next_key
         self._next_key += 1
         socket.send_fds(self._sock, [_CMD.pack(_MAP, key)], [reader.fileno()])
-        self._keys[id(reader)] = key
+        self._keys[reader] = key
         return key
 
     def _lost(self, why: str) -> None:
