@@ -48,10 +48,6 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 MIN_BYTES = 2 << 20  # smaller payloads are read with pread (a round trip to the child is ~50 µs)
-# Pieces a payload is cut into, copied by as many threads of the child at once. One: two ran ~1.3x
-# faster and cost ~1.4x the CPU per GB here (memory, not cores, bounds a copy), and the daemon
-# overlaps each copy with its own work anyway (read ahead).
-PARTS = 1
 COPY_TIMEOUT_S = 5.0  # no answer by then: the child is taken for stuck, killed, and pread takes over
 RESTART_AFTER_S = 10.0
 
@@ -89,7 +85,7 @@ class Copier:
         token = self.start(reader, offset, buf)
         return token is not None and self.finish(token)
 
-    def start(self, reader: Any, offset: int, buf: np.ndarray) -> tuple[int, list[int]] | None:
+    def start(self, reader: Any, offset: int, buf: np.ndarray) -> tuple[int, int] | None:
         """Ask for the copy and return at once: a token for `finish`, or None (not taken: read it
         another way). The ring's bytes must stay where they are until `finish` (not consumed)."""
         n = buf.nbytes
@@ -106,27 +102,22 @@ class Copier:
             key = self._keys.get(reader)
             if key is None:
                 key = self._map(reader)
-            dst = self.arena.data_offset + where[2]
-            step = (n // PARTS + 4095) // 4096 * 4096
-            seqs = []
-            for a in range(0, n, step):
-                self._seq += 1
-                seqs.append(self._seq)
-                self._sock.send(_COPY_CMD.pack(_COPY, key, offset + a, dst + a, min(step, n - a), self._seq))
+            self._seq += 1
+            self._sock.send(_COPY_CMD.pack(_COPY, key, offset, self.arena.data_offset + where[2], n, self._seq))
         except OSError as e:
             self._lost(str(e) or type(e).__name__)
             return None
-        return (self._generation, seqs)
+        return (self._generation, self._seq)
 
-    def finish(self, token: tuple[int, list[int]]) -> bool:
+    def finish(self, token: tuple[int, int]) -> bool:
         """Wait for a copy `start` took: True once it landed; False if it did not (read it another
         way: the bytes in its buffer are undefined)."""
-        generation, seqs = token
+        generation, seq = token
         if generation != self._generation or self._sock is None:
             return False  # that child is gone
         t0 = time.perf_counter()
         try:
-            while not all(q in self._answers for q in seqs):
+            while seq not in self._answers:
                 msg = self._sock.recv(64)
                 if len(msg) != _DONE.size:
                     raise ConnectionError("the copier closed its socket" if not msg else "a malformed answer")
@@ -140,7 +131,7 @@ class Copier:
         self.waited_s += time.perf_counter() - t0
         # Not 0: bounds the daemon computed from a ring it checked; the ring changed size. pread
         # tells that properly, and the child is fine.
-        if any([self._answers.pop(q) != 0 for q in seqs]):
+        if self._answers.pop(seq) != 0:
             return False
         self.copies += 1
         return True
@@ -243,7 +234,9 @@ def _child(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     rings: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
     arena: np.ndarray | None = None
-    pool = concurrent.futures.ThreadPoolExecutor(PARTS)  # the receiving thread stays free
+    # One copying thread, in the order asked (the receiving thread stays free): two copying halves
+    # at once were no faster here and cost ~1.4x the CPU per GB (memory, not cores, bounds a copy).
+    pool = concurrent.futures.ThreadPoolExecutor(1)
 
     def copy(seq: int, key: int, src: int, dst: int, n: int) -> None:
         ring = rings.get(key)

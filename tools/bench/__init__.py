@@ -89,12 +89,17 @@ def _gpu_name() -> str:
     return out.strip().splitlines()[0] if out.strip() else ""
 
 
+def _cpu_ticks(pid: int, fields: slice) -> int:
+    """Sum of the clock ticks in /proc/<pid>/stat fields (after the command name): 11:13 its own
+    user+system, 11:15 with its waited-for children's. OSError, IndexError or ValueError when gone."""
+    with open(f"/proc/{pid}/stat") as f:
+        return sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[fields])
+
+
 def proc_cpu_seconds(pid: int) -> float:
     """user+system CPU seconds of one process (0 if it is gone)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return _cpu_ticks(pid, slice(11, 13)) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
 
@@ -104,9 +109,7 @@ def tree_cpu_seconds(pid: int) -> float:
     descendants: a daemon's work includes what its helper processes do."""
     total = 0.0
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total = sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+        total = _cpu_ticks(pid, slice(11, 15)) / os.sysconf("SC_CLK_TCK")
         for tid in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{tid}/children") as f:
                 total += sum(tree_cpu_seconds(int(c)) for c in f.read().split())
