@@ -8,8 +8,9 @@ Rules this module keeps:
   not the shm directory, which subscribers may not enter. Files of earlier runs whose daemon is
   dead are removed at start; our own is removed at stop (clients that mapped it keep their mapping).
 - The daemon never faults on it: tmpfs pages are reserved with posix_fallocate, COMMIT_CHUNK at a
-  time, before a region in them is handed out, and a chunk counts as committed only once all of it
-  is reserved (reserve what you count: /dev/shm is world-writable and may fill at any moment). When
+  time, and mapped into the daemon (MADV_POPULATE_WRITE) before a region in them is handed out;
+  a chunk counts as committed only once all of it is reserved (reserve what you count: /dev/shm
+  is world-writable and may fill at any moment). When
   /dev/shm is full, or the arena is, `alloc` returns None and the caller keeps the array on its heap
   (delivered as frames): slower, never lost. Should a region still fail to take a read (EFAULT),
   that is the daemon's own memory: the ring reader reads the record privately and `write_failed`
@@ -57,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from vllm_tap import arena_format as af
+from vllm_tap.prefault import populate_write
 
 log = logging.getLogger(__name__)
 
@@ -397,6 +399,10 @@ class Arena:
             except OSError as e:
                 self._warn(f"cannot reserve {n >> 20} MiB of {os.path.dirname(self.path)} ({os.strerror(e.errno)})")
                 return False
+            # Mapped into the daemon now: large records are written by the copier, so the daemon's
+            # first touch of a page would otherwise be the zeroing of a freed region, a fault every
+            # 4 KiB in the middle of ingest.
+            populate_write(self._mm, start, n)
             self._committed[c] = 1
             self.committed_bytes += n
         return True

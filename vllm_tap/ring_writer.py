@@ -48,6 +48,7 @@ import numpy as np
 
 from vllm_tap import ring_format as rf
 from vllm_tap.doorbell import DoorbellPush, doorbell_path
+from vllm_tap.prefault import populate_write
 from vllm_tap.ring_records import RequestRef, RequestTable, TensorId
 from vllm_tap.ring_files import RingSpaceError, ensure_dir, free_bytes
 
@@ -69,17 +70,14 @@ MAX_BACKLOG_RECORDS = 1 << 15  # control records queued while the ring is full, 
 MAX_BACKLOG_BYTES = 8 << 20  # ... and their bytes
 
 
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.13 names it
 _PAGE_BYTES = mmap.PAGESIZE
 
 
 def _prefault(mm: mmap.mmap) -> None:
     """Map every page of a new ring for writing now, at start-up, not on the step thread later."""
-    try:
-        mm.madvise(MADV_POPULATE_WRITE)
+    if populate_write(mm):
         return
-    except (OSError, ValueError, AttributeError):
-        pass  # an older kernel: touch the pages (the file is fresh, all zeros)
+    # An older kernel: touch the pages (the file is fresh, all zeros).
     a = np.frombuffer(mm, np.uint8)
     a[::_PAGE_BYTES] = 0
     del a
