@@ -4,6 +4,7 @@ subprocesses and leave results that parse. Not a timed test: nothing here assert
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -54,12 +55,16 @@ def test_bench_transport_quick(tmp_path):
 @pytest.mark.timeout(150)
 def test_bench_ingest_quick(tmp_path):
     r = _bench(tmp_path, "ingest")["ingest"]
-    assert set(r["summary"]) == {"logits", "logits-dma", "topk"}
+    assert set(r["summary"]) == {"logits", "logits-dma", "topk", "topk, 16 captures"}
     for shape, row in r["summary"].items():
         assert row["dropped"] == 0 and row["sections"], row  # the writer waits for room: nothing lost
         assert row["complete"] and row["missing_positions"] == row["late_records"] == 0, row
         assert row["steps_per_s"] > 0 and row["copy_gbps"] > 0 and row["daemon_cpu_s_warm"] >= 0, row
-    assert {t["shape"] for t in r["trials"]} == {"logits", "logits-dma", "topk"}
+    assert {(t["shape"], t["requests"]) for t in r["trials"]} == {
+        ("logits", 64), ("logits-dma", 64), ("topk", 64), ("topk", 16)}
+    # The captures sweep: the daemon's CPU per step against a step's rows, fitted through 16 and 64.
+    fit = r["captures_fit"]
+    assert fit["captures"] == [16, 64] and all(math.isfinite(fit[k]) for k in ("us_per_step", "us_per_capture"))
 
 
 @pytest.mark.timeout(150)

@@ -29,6 +29,10 @@ the daemon's status before and after it must show no position missing and no rec
 its capture had ended (a daemon far behind its rings ends captures at their END's grace and then
 drops their late data: fast, and no ingest). Targets: logits ingest ≥ 50 % of the copy rate;
 topk ≥ 5,000 steps/s (a fast GPU decodes ~200–1,000 steps/s).
+
+The captures sweep: top-k also with `sweep` other numbers of captures decoding at once (16 and 256
+by default), so the daemon's CPU per step can be read against a step's rows: what a record costs
+whatever its rows is the intercept, what each capture adds the slope (`captures_fit`).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -68,11 +72,12 @@ class IngestParams:
     ring_bytes: int = 256 * MiB
     repeats: int = 3
     copy_bytes: int = 256 * MiB
+    sweep: tuple[int, ...] = (16, 256)  # top-k trials with these many captures a step as well
 
     @classmethod
     def quick(cls) -> "IngestParams":
         return cls(steps={"logits": 48, "topk": 2000}, warm_steps={"logits": 16, "topk": 400}, ring_bytes=64 * MiB,
-                   repeats=1, copy_bytes=64 * MiB)
+                   repeats=1, copy_bytes=64 * MiB, sweep=(16,))
 
 
 def tmpfs_copy_rate(nbytes: int, reps: int = 5) -> float:
@@ -119,7 +124,7 @@ def _sections(shape: str, p: IngestParams) -> list[tuple]:
 
 
 def _writer_main(shm: str, shape: str, p_dict: dict, prefix: str, results: Any, close: Any) -> None:
-    """Waves of 64 captures (BEGIN, `wave` decode steps, END) for `warm + steps` steps, as fast as
+    """Waves of `requests` captures (BEGIN, `wave` decode steps, END) for `warm + steps` steps, as fast as
     the ring allows."""
     from vllm_tap import ring_format as rf
     from vllm_tap.ring_records import RequestRef, RequestTable
@@ -127,7 +132,7 @@ def _writer_main(shm: str, shape: str, p_dict: dict, prefix: str, results: Any, 
     from vllm_tap.ring_writer import RingWriter
     from vllm_tap.spec import CaptureSpec, LogitsMode, PositionsMode
 
-    p = IngestParams(**p_dict)
+    p = IngestParams(**{**p_dict, "sweep": tuple(p_dict["sweep"])})
     n, prompt, wave = p.requests, 16, p.wave[_base(shape)]
     spec = (CaptureSpec(layers=(), positions=PositionsMode.OUTPUT) if _base(shape) == "logits" else
             CaptureSpec(logits=LogitsMode.TOPK, topk=p.topk, layers=(), positions=PositionsMode.OUTPUT))
@@ -263,62 +268,85 @@ def run(p: IngestParams, workdir: str, echo=print) -> dict[str, Any]:
 
     trials: list[dict[str, Any]] = []
     t0, load0 = time.time(), loadavg()
+    configs = [(shape, p.requests) for shape in SHAPES] + [("topk", n) for n in p.sweep if n != p.requests]
     for r in range(p.repeats):
-        for shape in (SHAPES if r % 2 == 0 else SHAPES[::-1]):
+        for shape, n in (configs if r % 2 == 0 else configs[::-1]):
             copy = tmpfs_copy_rate(p.copy_bytes)
             shm = tempfile.mkdtemp(prefix="vllm-tap-bench-ingest-", dir="/dev/shm")
             sock = tempfile.mkdtemp(prefix="vti-")
             daemon = DaemonHandle(shm, f"ipc://{sock}/tap.sock", os.path.join(workdir, "ingest-daemon.log"))
             try:
                 daemon.start(extra=["--log-level", "WARNING"])
-                row = _trial(shape, p, daemon.proc.pid, shm, f"r{r}-{shape}", daemon.status)
+                row = _trial(shape, replace(p, requests=n), daemon.proc.pid, shm, f"r{r}-{shape}-{n}", daemon.status)
             finally:
                 daemon.stop()
                 shutil.rmtree(shm, ignore_errors=True)
                 shutil.rmtree(sock, ignore_errors=True)
                 if daemon.state_dir:
                     shutil.rmtree(daemon.state_dir, ignore_errors=True)
-            row.update(repeat=r, copy_gbps=copy / 1e9, share_of_copy=row["gbps"] / (copy / 1e9))
+            row.update(repeat=r, copy_gbps=copy / 1e9, share_of_copy=row["gbps"] / (copy / 1e9), requests=n,
+                       label=_label(shape, n, p))
             trials.append(row)
-            echo(f"  ingest r{r} {shape}: {row['steps_per_s']:.0f} steps/s, {row['gbps']:.3f} GB/s "
+            echo(f"  ingest r{r} {row['label']}: {row['steps_per_s']:.0f} steps/s, {row['gbps']:.3f} GB/s "
                  f"({100 * row['share_of_copy']:.0f} % of tmpfs copy {copy / 1e9:.2f} GB/s), daemon "
                  f"{row['daemon_cpu_s_per_gb']:.2f} CPU s/GB (warm-up {row['daemon_cpu_s_warm']:.2f} s), "
                  f"{row['dropped']} dropped, {row['missing_positions']} positions missing, {row['late_records']} late "
                  f"records, {100 * row['arena_share']:.0f} % into the arena, cores used: daemon {row['daemon_cores']:.2f}, writer "
                  f"{row['writer_cores']:.2f} of {os.cpu_count()}")
-    return {"params": asdict(p), "trials": trials, "summary": summarise(trials), "loadavg_start": load0,
-            "loadavg_end": loadavg(), "seconds": time.time() - t0}
+    summary = summarise(trials)
+    return {"params": asdict(p), "trials": trials, "summary": summary, "captures_fit": captures_fit(summary),
+            "loadavg_start": load0, "loadavg_end": loadavg(), "seconds": time.time() - t0}
+
+
+def _label(shape: str, n: int, p: IngestParams) -> str:
+    """A configuration's name: its shape, or for the captures sweep the shape and its captures."""
+    return shape if n == p.requests else f"{shape}, {n} captures"
 
 
 def summarise(trials: list[dict[str, Any]]) -> dict[str, Any]:
     out = {}
-    for shape in SHAPES:
-        ts = [t for t in trials if t["shape"] == shape]
-        if not ts:
-            continue
-        out[shape] = {k: median(t[k] for t in ts) for k in
+    for label in dict.fromkeys(t.get("label", t["shape"]) for t in trials):
+        ts = [t for t in trials if t.get("label", t["shape"]) == label]
+        out[label] = {k: median(t[k] for t in ts) for k in
                       ("steps_per_s", "gbps", "share_of_copy", "copy_gbps", "daemon_cpu_s_per_gb", "daemon_cpu_s_per_kstep",
                        "daemon_cpu_s_warm", "arena_share", "daemon_cores", "writer_cores")}
-        out[shape]["steps_range"] = spread(t["steps_per_s"] for t in ts)
-        out[shape]["dropped"] = sum(t["dropped"] for t in ts)
-        out[shape]["missing_positions"] = sum(t["missing_positions"] for t in ts)
-        out[shape]["late_records"] = sum(t["late_records"] for t in ts)
-        out[shape]["complete"] = all(t["complete"] for t in ts)
-        out[shape]["sections"] = ts[0]["sections"]
+        out[label]["steps_range"] = spread(t["steps_per_s"] for t in ts)
+        out[label]["dropped"] = sum(t["dropped"] for t in ts)
+        out[label]["missing_positions"] = sum(t["missing_positions"] for t in ts)
+        out[label]["late_records"] = sum(t["late_records"] for t in ts)
+        out[label]["complete"] = all(t["complete"] for t in ts)
+        out[label]["sections"] = ts[0]["sections"]
+        out[label]["shape"] = ts[0]["shape"]
+        out[label]["requests"] = ts[0].get("requests", 64)
     return out
+
+
+def captures_fit(summary: dict[str, Any]) -> dict[str, float] | None:
+    """The daemon's CPU per top-k step against the captures in it, a line through the fewest and
+    the most: µs a step whatever its rows (intercept) and µs each capture adds (slope)."""
+    pts = sorted((row["requests"], row["daemon_cpu_s_per_kstep"] * 1e3) for row in summary.values()
+                 if row["shape"] == "topk")
+    if len(pts) < 2 or pts[0][0] == pts[-1][0]:
+        return None
+    (n0, us0), (n1, us1) = pts[0], pts[-1]
+    slope = (us1 - us0) / (n1 - n0)
+    return {"us_per_step": us0 - slope * n0, "us_per_capture": slope, "captures": [n for n, _ in pts]}
 
 
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     """The targets of this bench, for the report's table of targets."""
     out = []
-    for shape, row in res["summary"].items():
+    for label, row in res["summary"].items():
+        shape = row.get("shape", label)
+        if row.get("requests", 64) != res["params"]["requests"]:
+            continue  # the captures sweep: no target of its own
         if _base(shape) == "logits":
             who = "" if shape == "logits" else ", the writer's copy left to DMA"
             out.append({"part": "ingest", "target": f"full logits{who}: ≥ {TARGET_COPY_SHARE:.0%} of the tmpfs copy rate",
                         "measured": f"{row['gbps']:.2f} GB/s = {row['share_of_copy']:.0%} of {row['copy_gbps']:.2f}",
                         "met": row["complete"] and row["share_of_copy"] >= TARGET_COPY_SHARE})
         else:
-            out.append({"part": "ingest", "target": f"64 × top-{res['params']['topk']}: ≥ {TARGET_TOPK_STEPS:,.0f} steps/s",
+            out.append({"part": "ingest", "target": f"{row.get('requests', 64)} × top-{res['params']['topk']}: ≥ {TARGET_TOPK_STEPS:,.0f} steps/s",
                         "measured": f"{row['steps_per_s']:,.0f} steps/s",
                         "met": row["complete"] and row["steps_per_s"] >= TARGET_TOPK_STEPS})
     return out
@@ -329,16 +357,25 @@ def table(res: dict[str, Any]) -> str:
     lines = ["| shape | records a step | steps/s | GB/s | % of tmpfs copy | daemon CPU s/GB | daemon CPU ms / 1000 steps "
              "| warm-up daemon CPU s | into the arena | cores used: daemon + writer | every capture whole | target | met |",
              "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|---|---|"]
-    for shape, row in s.items():
+    for label, row in s.items():
+        shape = row.get("shape", label)
         logits = _base(shape) == "logits"
+        swept = row.get("requests", 64) != res["params"]["requests"]
         target = f"≥ {TARGET_COPY_SHARE:.0%} of copy" if logits else f"≥ {TARGET_TOPK_STEPS:.0f} steps/s"
         met = row["complete"] and (row["share_of_copy"] >= TARGET_COPY_SHARE if logits
                                    else row["steps_per_s"] >= TARGET_TOPK_STEPS)
+        if swept:
+            target = "–"
         whole = ("yes" if row["complete"] else
                  f"**no**: {row['missing_positions']} positions missing, {row['late_records']} late records")
         per_step = "1 (sections)" if row["sections"] else f"{1 if logits else 3} (one per tensor)"
         lo, hi = row["steps_range"]
-        lines.append(f"| {shape} | {per_step} | {row['steps_per_s']:.0f} ({lo:.0f}–{hi:.0f}) | {row['gbps']:.3f} "
+        lines.append(f"| {label} | {per_step} | {row['steps_per_s']:.0f} ({lo:.0f}–{hi:.0f}) | {row['gbps']:.3f} "
                      f"| {100 * row['share_of_copy']:.0f} % | {row['daemon_cpu_s_per_gb']:.2f} "
-                     f"| {row['daemon_cpu_s_per_kstep'] * 1e3:.0f} | {row['daemon_cpu_s_warm']:.2f} | {100 * row['arena_share']:.0f} % | {row['daemon_cores']:.2f} + {row['writer_cores']:.2f} | {whole} | {target} | {'met' if met else '**missed**'} |")
+                     f"| {row['daemon_cpu_s_per_kstep'] * 1e3:.0f} | {row['daemon_cpu_s_warm']:.2f} | {100 * row['arena_share']:.0f} % | {row['daemon_cores']:.2f} + {row['writer_cores']:.2f} | {whole} | {target} | {'–' if swept else 'met' if met else '**missed**'} |")
+    fit = res.get("captures_fit")
+    if fit:
+        lines += ["", f"The daemon's CPU per top-k step against its captures ({', '.join(map(str, fit['captures']))}): "
+                      f"{fit['us_per_step']:.0f} µs a step whatever its rows, and {fit['us_per_capture']:.2f} µs "
+                      f"each capture adds."]
     return "\n".join(lines)

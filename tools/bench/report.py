@@ -574,23 +574,38 @@ def _ingest_plot(plt: Any, ig: dict[str, Any], outdir: str) -> str | None:
     """Each repeat's rate against its target: full logits as a share of the tmpfs copy, top-k in steps/s."""
     from vllm_tap.tools.bench import ingest
 
-    shapes = [s for s in ingest.SHAPES if any(t["shape"] == s for t in ig["trials"])]
+    n = ig["params"]["requests"]
+    main = [t for t in ig["trials"] if t.get("requests", n) == n]
+    shapes = [s for s in ingest.SHAPES if any(t["shape"] == s for t in main)]
     if not shapes:
         return None
-    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    fit = ig.get("captures_fit")
+    fig, axes = plt.subplots(1, len(shapes) + bool(fit), figsize=(5 * (len(shapes) + bool(fit)), 4), squeeze=False)
+    if fit:
+        ax = axes[0][-1]
+        topk = [t for t in ig["trials"] if t["shape"] == "topk"]
+        ax.scatter([t["requests"] for t in topk], [t["daemon_cpu_s_per_kstep"] * 1e3 for t in topk], label="trials")
+        xs = [0, max(fit["captures"])]
+        ax.plot(xs, [fit["us_per_step"] + fit["us_per_capture"] * x for x in xs], "r-", lw=0.8,
+                label=f"{fit['us_per_step']:.0f} µs + {fit['us_per_capture']:.2f} µs a capture")
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("captures a step")
+        ax.set_ylabel("daemon CPU µs a step")
+        ax.set_title(f"top-{ig['params']['topk']}: the daemon's cost against a step's rows")
+        ax.legend(fontsize=8)
     for ax, shape in zip(axes[0], shapes):
-        ts = [t for t in ig["trials"] if t["shape"] == shape]
+        ts = [t for t in main if t["shape"] == shape]
         xs = range(len(ts))
         if shape != "topk":
             ax.bar(list(xs), [100 * t["share_of_copy"] for t in ts], 0.6, label="daemon ingest")
             ax.axhline(100 * ingest.TARGET_COPY_SHARE, color="r", lw=0.8, label="target")
             ax.set_ylabel("% of the tmpfs copy rate")
-            ax.set_title("Full logits, 64 decoding requests" + ("" if shape == "logits" else ",\nthe writer's copy left to DMA"))
+            ax.set_title(f"Full logits, {n} decoding requests" + ("" if shape == "logits" else ",\nthe writer's copy left to DMA"))
         else:
             ax.bar(list(xs), [t["steps_per_s"] for t in ts], 0.6, label="daemon ingest")
             ax.axhline(ingest.TARGET_TOPK_STEPS, color="r", lw=0.8, label="target")
             ax.set_ylabel("steps/s")
-            ax.set_title(f"64 × top-{ig['params']['topk']}")
+            ax.set_title(f"{n} × top-{ig['params']['topk']}")
         ax.set_xticks(list(xs))
         ax.set_xticklabels([f"repeat {t['repeat']}" for t in ts], fontsize=8)
         ax.legend(fontsize=8)
