@@ -132,7 +132,7 @@ def _writer_main(shm: str, shape: str, p_dict: dict, prefix: str, results: Any, 
     from vllm_tap.ring_writer import RingWriter
     from vllm_tap.spec import CaptureSpec, LogitsMode, PositionsMode
 
-    p = IngestParams(**{**p_dict, "sweep": tuple(p_dict["sweep"])})
+    p = IngestParams(**p_dict)
     n, prompt, wave = p.requests, 16, p.wave[_base(shape)]
     spec = (CaptureSpec(layers=(), positions=PositionsMode.OUTPUT) if _base(shape) == "logits" else
             CaptureSpec(logits=LogitsMode.TOPK, topk=p.topk, layers=(), positions=PositionsMode.OUTPUT))
@@ -305,8 +305,8 @@ def _label(shape: str, n: int, p: IngestParams) -> str:
 
 def summarise(trials: list[dict[str, Any]]) -> dict[str, Any]:
     out = {}
-    for label in dict.fromkeys(t.get("label", t["shape"]) for t in trials):
-        ts = [t for t in trials if t.get("label", t["shape"]) == label]
+    for label in dict.fromkeys(t["label"] for t in trials):
+        ts = [t for t in trials if t["label"] == label]
         out[label] = {k: median(t[k] for t in ts) for k in
                       ("steps_per_s", "gbps", "share_of_copy", "copy_gbps", "daemon_cpu_s_per_gb", "daemon_cpu_s_per_kstep",
                        "daemon_cpu_s_warm", "arena_share", "daemon_cores", "writer_cores")}
@@ -317,7 +317,7 @@ def summarise(trials: list[dict[str, Any]]) -> dict[str, Any]:
         out[label]["complete"] = all(t["complete"] for t in ts)
         out[label]["sections"] = ts[0]["sections"]
         out[label]["shape"] = ts[0]["shape"]
-        out[label]["requests"] = ts[0].get("requests", 64)
+        out[label]["requests"] = ts[0]["requests"]
     return out
 
 
