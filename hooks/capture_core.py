@@ -25,10 +25,11 @@ when they appear, before the grammar mask modifies them in place.
 Rules kept here (performance and correctness):
 - Per step, the cost is proportional to what is captured: the core keeps only the requests that
   capture (learned at admission, forgotten at finish, by the runner adapter) and with none of them
-  in the step it returns at once. Otherwise one lookup of its batch row (`StepView.row_of`) and a few
-  integer operations per *capturing* request; requests that do not capture cost nothing per step,
-  however many there are. Then one ring record per set of requests asking the same tensors and
-  per phase (states, then logits), a section per tensor: the rows' ids gathered once, each
+  in the step it returns at once. Otherwise, when the batch changed, one lookup of its batch row
+  (`StepView.row_of`) and a few integer operations per *capturing* request; requests that do not
+  capture cost nothing per step, however many there are. Then one ring record per set of requests
+  asking the same tensors and per phase (states, then logits; one for both in a steady step), a
+  section per tensor: the rows' ids gathered once, each
   tensor's rows by one copy (two for logits: extra-pass rows, then sampled rows), top-k and
   logsumexp once for every row that needs them. So a step issues the same torch calls for 8 or 64
   requests (tests/hooks/test_hook_ops.py counts them); on a GPU each call is microseconds of the step
@@ -39,8 +40,12 @@ Rules kept here (performance and correctness):
 - A decode step of an unchanged batch (every capturing request one row, its sampled one, inside
   its live range; the same requests at the same batch rows) is planned from a layout kept from the
   step that first saw that batch: request table, parts, row-table buffer, and in the ring writer
-  each record's packed header. Per step only positions and token ids are filled in. Any other step
-  (a prefill chunk, a request joining, leaving or moving) is planned in full, as before.
+  each record's packed header. Whether the batch is unchanged is one comparison of its request ids
+  with the last step's (in C), not a lookup per request. When every capturing request asks the same
+  tensors (the usual case), the step is the steady step (hooks/steady_step.py): one record of a
+  few torch calls into destinations laid out with the batch. Per step only positions and token ids
+  are filled in. Any other step (a prefill chunk of ours, a request joining, leaving or moving) is
+  planned in full.
 - Under tensor parallelism every rank holds the full logits and residual stream; each rank copies
   only its 1/tp share of the last dimension (no collective). Top-k and chosen indices need whole
   rows: TP rank 0 writes them. The extra lm-head pass is a collective, so every TP rank of the last
@@ -57,125 +62,35 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from vllm_tap import ring_format as rf
 from vllm_tap.hooks import guard
 from vllm_tap.hooks.admission import Admission
 from vllm_tap.hooks.cost import StepCost
-from vllm_tap.hooks.publisher import STORAGE, DeviceIndices, Publisher, gather_rows, report_drop
+from vllm_tap.hooks.parts import (CHOSEN_ID, LOGITS_ID, LSE_ID, TOPK_IDS_ID, TOPK_VALUES_ID, Part, hidden_id,
+                                  section, stored_dtype, tensor_ids, tensors_per_step)
+from vllm_tap.hooks.publisher import DeviceIndices, Publisher, gather_rows, report_drop
+from vllm_tap.hooks.reductions import logsumexp_rows, topk_rows
+from vllm_tap.hooks.steady_step import SteadyRecord, SteadyStep
+from vllm_tap.hooks.step_view import RankPlace, StepView, host_ids, shard
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
-from vllm_tap.ring_records import RequestRef, RequestTable, TensorId
+from vllm_tap.ring_records import RequestRef, RequestTable
 from vllm_tap.ring_writer import RingWriter
 from vllm_tap.spec import DEFAULT_SHED_AT, CaptureSpec, DTypeMode, LogitsMode
 
+# StepView, RankPlace, host_ids and shard live in hooks/step_view.py; the adapters take them from here.
+__all__ = ["CaptureCore", "CaptureStep", "RankPlace", "StepView", "host_ids", "shard"]
+
 log = logging.getLogger("vllm_tap.hooks")
 
+_NO_ROWS = np.zeros(0, np.int64)
 
 
 def _first(pair: tuple) -> Any:
     return pair[0]
-_NO_ROWS = np.zeros(0, np.int64)
-
-_LOGITS_ID = TensorId(rf.TensorKind.LOGITS)
-_TOPK_IDS_ID = TensorId(rf.TensorKind.TOPK_IDS)
-_TOPK_VALUES_ID = TensorId(rf.TensorKind.TOPK_VALUES)
-_CHOSEN_ID = TensorId(rf.TensorKind.CHOSEN)
-_LSE_ID = TensorId(rf.TensorKind.LOGSUMEXP)
-# Records per step of each part: top-k is ids + values + logsumexp, chosen is values + logsumexp.
-_RECORDS_PER_PART = {"topk": 3, "chosen": 2}
-_HIDDEN_IDS: dict[int, TensorId] = {}
-
-
-def _hidden_id(layer: int) -> TensorId:
-    tid = _HIDDEN_IDS.get(layer)
-    if tid is None:
-        tid = _HIDDEN_IDS[layer] = TensorId(rf.TensorKind.HIDDEN, layer)
-    return tid
-
-
-def host_ids(ids: torch.Tensor) -> "np.ndarray | torch.Tensor":
-    """A runner's token-id tensor as StepView wants it: a host array when it lives on the CPU."""
-    return ids.numpy() if ids.device.type == "cpu" else ids
-
-
-def shard(dim: int, rank: int, size: int) -> tuple[int, int]:
-    """This rank's [start, stop) of a last dimension split as evenly as possible."""
-    per = -(-dim // size)
-    return min(rank * per, dim), min((rank + 1) * per, dim)
-
-
-@dataclass(frozen=True)
-class RankPlace:
-    """Where this worker sits: its tensor-parallel rank and the pipeline stage it runs.
-
-    stage_layers[s]: the captured layers pipeline stage s computes (0, the embeddings, on the first
-    stage; layer i, the output of decoder layer i, on the stage that runs decoder layer i)."""
-
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    stage_layers: tuple[tuple[int, ...], ...] = ((),)
-
-    @property
-    def pp_size(self) -> int:
-        return len(self.stage_layers)
-
-    @property
-    def rank(self) -> int:
-        """This worker's ring rank: stages one after the other, tp ranks within a stage."""
-        return self.pp_rank * self.tp_size + self.tp_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.tp_size * self.pp_size
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
-
-    @property
-    def layers(self) -> tuple[int, ...]:
-        return self.stage_layers[self.pp_rank]
-
-
-@dataclass
-class StepView:
-    """One step as the core needs it, whatever the runner. Arrays are in batch order.
-
-    token_ids: the step's flattened input token ids, a host int array when the host has them, else
-    a tensor, gathered on its device like the payload (decode rows' ids exist only on the GPU under
-    async scheduling, and always under V2); `host_ids` makes the adapters' choice. aux: this
-    stage's captured layers' hidden states, in `RankPlace.layers` order. logits: the sampled rows, one per request (None when they come later through
-    `write_logits`, or on a non-last stage). Requests are told to the core at admission (`learn`),
-    never discovered from the batch: a step walks only the capturing requests."""
-
-    req_ids: Sequence[str]  # batch order; the core never walks it per step (row_of finds its requests)
-    query_start: np.ndarray  # [num_reqs + 1]: request i owns rows [query_start[i], query_start[i+1])
-    computed: np.ndarray  # [num_reqs]: the position of request i's first row this step
-    token_ids: Any  # np.ndarray | torch.Tensor, [num_rows]
-    hidden: torch.Tensor | None = None  # final hidden states [num_rows(+padding), hidden]
-    aux: Sequence[torch.Tensor] | None = None
-    logits: torch.Tensor | None = None
-    compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None  # the lm head
-    finished: Iterable[str] = ()  # requests to forget before this step
-    # request id -> batch row, for the scheduled requests (V1: input_batch.req_id_to_index); None:
-    # built from req_ids (one C-level pass, for callers without such a map)
-    row_of: Mapping[str, int] | None = None
-
-
-class _Part(NamedTuple):
-    """One record kind a spec asks of this rank each step; requests with equal parts share a record.
-    (A tuple: it is a dict key on the hot path, and tuples hash in C.)"""
-
-    what: str  # "logits" | "topk" | "chosen" | "hidden"
-    to_f32: bool = False
-    layer: int = -1
-    topk: int = 0
-    indices: tuple[int, ...] = ()
 
 
 @dataclass
@@ -183,7 +98,7 @@ class _Request:
     """What the core keeps per capturing request, worked out once, when it is learned."""
 
     spec: CaptureSpec
-    parts: tuple[_Part, ...]
+    parts: tuple[Part, ...]
     live: tuple[int, int]  # [first, stop) of the positions it captures
     ref: RequestRef  # its entry in the records' request tables, and that entry packed
     packed: bytes
@@ -266,12 +181,15 @@ class _StepRows:
 class _DecodeLayout:
     """What stays the same from one decode step to the next while the batch does: which batch rows
     hold capturing requests, their request table and parts, and the row table's buffer (slots fixed;
-    positions and token ids filled each step). Keyed by the core's request version and the batch
-    row of each capturing request."""
+    positions and token ids filled each step); and, when every capturing request asks the same
+    tensors, the steady step's record (hooks/steady_step.py). Valid for the core's request version
+    and a batch of these request ids in this order (or, the ids having changed, the same batch row
+    for each capturing request)."""
 
-    def __init__(self, core: "CaptureCore", rows: list):
+    def __init__(self, core: "CaptureCore", rows: list, view: StepView):
         self.version = core._version
         self.rows = rows
+        self.req_ids = view.req_ids[:]  # a copy made in C (V1 changes its list in place)
         reqs = core.requests
         found = sorted((i, reqs[rid]) for rid, i in zip(core._rids, rows) if i is not None)
         # Every request in the batch must have one row (no extra lm-head rows); those with parts
@@ -284,6 +202,8 @@ class _DecodeLayout:
         self.run = slice(int(self.idx[0]), int(self.idx[-1]) + 1) if n and self.idx[-1] - self.idx[0] + 1 == n else None
         self.live_lo = np.array([r.live[0] for _, r in with_parts], dtype=np.int64)
         self.live_span = np.array([r.live[1] - r.live[0] for _, r in with_parts], dtype=np.int64).view(np.uint64)
+        self.live = np.empty(n, np.int64)  # each step's c - lo, and whether it is below the span
+        self.live_ok = np.empty(n, bool)
         self.block = np.zeros((3, n), np.int32)
         self.block[0] = np.arange(n)
         plans = [_Plan(i, r, 0, 0, 1, True, 0) for i, r in with_parts]
@@ -293,6 +213,17 @@ class _DecodeLayout:
             if len(sel) == n:
                 self.by_part[k] = (part, self.everyone)
         self.wants_logits = any(part.what != "hidden" for part, _ in self.by_part)
+        self.steady: SteadyRecord | None = None
+        self.steady_tried = False
+        if n:
+            self.try_steady(core, view)
+
+    def try_steady(self, core: "CaptureCore", view: StepView) -> None:
+        """Lay out the steady step's record (once; again when it waited for the logits' width)."""
+        self.steady = SteadyRecord.build(core, self.table, self.by_part, self.block, self.idx, view)
+        # Under V2 the logits appear after the step is planned: a batch laid out before any logits
+        # were seen tries again once they have been.
+        self.steady_tried = self.steady is not None or not self.wants_logits or core.logits_like is not None
 
 
 class _DecodeRows:
@@ -327,11 +258,6 @@ def _grouped(by_part: list, which) -> list:
             else:
                 got[1].append(part)
     return list(groups.values())
-
-
-def _section(tid: TensorId, dtype: torch.dtype, sl: tuple[int, int], full: int) -> tuple:
-    """A record section as the publisher takes it: the ring writer's five fields, then the storage dtype."""
-    return (tid, STORAGE[dtype], sl[1] - sl[0], sl, full, dtype)
 
 
 def _pick(segments: list, mine: np.ndarray) -> list:
@@ -373,11 +299,6 @@ class _Reduced:
         return lambda t: t.index_select(0, pick)
 
 
-def _stored(t: torch.Tensor, to_f32: bool) -> torch.dtype:
-    """The dtype a tensor's rows are stored in: its own, or float32 when the spec asks for it."""
-    return torch.float32 if to_f32 and t.dtype.is_floating_point else t.dtype
-
-
 def _rows_within(block: np.ndarray, sub: np.ndarray) -> np.ndarray:
     """Indices into `block`'s rows of `sub`'s rows (row tables: slot, position, id); every row of
     sub is in block. Vectorised: a row is its (slot, position)."""
@@ -385,49 +306,6 @@ def _rows_within(block: np.ndarray, sub: np.ndarray) -> np.ndarray:
     want = sub[0].astype(np.int64) << 32 | sub[1].astype(np.int64)
     order = np.argsort(keys, kind="stable")
     return order[np.searchsorted(keys[order], want)]
-
-
-# Top-k on the CPU through group maxima: the vocabulary is split into G groups of STRIPES elements
-# (group g holds g, g + G, g + 2G, ...); every one of the k largest elements lies in one of the k
-# groups with the largest maxima (a group holding one has a maximum at least the k-th value, and at
-# most k groups can), so an exact top-k needs one max pass over the row, a top-k over G group maxima
-# and one over k * STRIPES candidates: 4-5x less than torch.topk over 32000 (measured here). Equal
-# values may come out in another order of their ids than torch.topk gives; the values are the same.
-_STRIPES = 32
-
-
-_STRIDES: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, ids) of the k largest of each row of x [n, V], largest first."""
-    n, v = x.shape
-    groups = v // _STRIPES
-    if x.device.type != "cpu" or groups < 2 * k or not x.is_contiguous():
-        return torch.topk(x, k, dim=-1, sorted=True)  # one kernel on an accelerator
-    gmax = x.as_strided((n, _STRIPES, groups), (v, groups, 1)).amax(1)
-    gi = torch.topk(gmax, k, dim=-1, sorted=False).indices
-    stripes = _STRIDES.get((v, groups))
-    if stripes is None:
-        stripes = _STRIDES[(v, groups)] = torch.arange(0, _STRIPES * groups, groups).view(1, _STRIPES, 1)
-    cand = (gi.unsqueeze(1) + stripes).view(n, -1)
-    if _STRIPES * groups < v:  # the tail beyond the last whole stripe: always a candidate
-        cand = torch.cat([cand, torch.arange(_STRIPES * groups, v).expand(n, -1)], 1)
-    values, j = torch.topk(torch.gather(x, 1, cand), k, dim=-1, sorted=True)
-    return values, torch.gather(cand, 1, j)
-
-
-def logsumexp_rows(x: torch.Tensor, top_ids: torch.Tensor) -> torch.Tensor:
-    """float32 [n, 1] log-sum-exp of each row of x [n, V], given each row's largest element's id
-    (column 0 of `top_ids`, from the top-k).
-
-    Through log_softmax in float32, which is what vLLM computes its logprobs with: one fused pass
-    (torch.logsumexp makes several, with temporaries: ~0.65x its time on the CPU, and 5 kernel
-    launches against 7 on a GPU, where each launch is host time), read at the row's largest
-    element, where x - log_softmax(x) = max + log(sum(exp(x - max))) up to one rounding (x - max is
-    0 there: no cancellation). So value - logsumexp is vLLM's logprob to the rounding."""
-    at = top_ids[:, :1]
-    return x.gather(1, at).float() - torch.log_softmax(x, -1, dtype=torch.float32).gather(1, at)
 
 
 class CaptureCore:
@@ -445,7 +323,9 @@ class CaptureCore:
         # Row indices for gathers on the device, uploaded once per distinct batch layout.
         self.to_device = DeviceIndices(self.device) if self.device.type != "cpu" else torch.from_numpy
         self.cost = StepCost(drops=self.records_dropped, shed=lambda: self.admission.shed,
-                             thread=lambda: (getattr(publisher, "thread_ns", 0), getattr(publisher, "thread_wakes", 0)))
+                             thread=lambda: (getattr(publisher, "thread_ns", 0), getattr(publisher, "thread_wakes", 0)),
+                             steady=lambda: self.steady_steps)
+        self.steady_steps = 0  # capturing steps written the steady way
         self.tp_rank, self.tp_size = place.tp_rank, place.tp_size
         self.is_last_stage = place.is_last_stage
         self.layers = place.layers
@@ -456,7 +336,7 @@ class CaptureCore:
         # The capturing requests only, by id: their number, not the batch's, sets a step's cost.
         self.requests: dict[str, _Request] = {}
         self._contributors: dict[CaptureSpec, int] = {}
-        self._parts: dict[CaptureSpec, tuple[_Part, ...]] = {}
+        self._parts: dict[CaptureSpec, tuple[Part, ...]] = {}
         self._indices: dict[tuple[int, ...], torch.Tensor] = {}
         self.step = 0
         # Changes whenever the set of capturing requests does: the decode layout below is valid
@@ -465,6 +345,9 @@ class CaptureCore:
         self._rids: list[str] = []
         self._rids_version = -1
         self._decode: _DecodeLayout | None = None
+        # (width, dtype) of the last logits a step wrote: a steady record is laid out before V2's
+        # logits of its first step appear.
+        self.logits_like: tuple[int, torch.dtype] | None = None
 
     # -- requests --
 
@@ -493,14 +376,14 @@ class CaptureCore:
             parts = self.parts(spec)
             first = spec.first_position(num_prompt)
             ref = RequestRef(rid, spec.key, num_prompt, self.contributors(spec),
-                             sum(_RECORDS_PER_PART.get(x.what, 1) for x in parts), -1 if first is None else first,
+                             tensors_per_step(parts), -1 if first is None else first,
                              spec.tail, spec.source)
             return _Request(spec, parts, spec.live_range(num_prompt), ref, ref.packed())
         except Exception as e:  # noqa: BLE001 - a malformed internal spec: no capture for it
             guard.errors().error(f"capture spec of request {rid!r}", e)
             return None
 
-    def parts(self, spec: CaptureSpec) -> tuple[_Part, ...]:
+    def parts(self, spec: CaptureSpec) -> tuple[Part, ...]:
         """The records this rank writes for a request with this spec each step it captures."""
         got = self._parts.get(spec)
         if got is None:
@@ -508,14 +391,14 @@ class CaptureCore:
             to_f32 = spec.dtype == DTypeMode.FLOAT32 and self.model_dtype != torch.float32
             out = []
             if self.is_last_stage and spec.logits == LogitsMode.FULL:
-                out.append(_Part("logits", to_f32))
+                out.append(Part("logits", to_f32))
             elif self.is_last_stage and self.tp_rank == 0:
                 # Small, and needs the whole row: rank 0 writes it whole.
                 if spec.logits == LogitsMode.TOPK:
-                    out.append(_Part("topk", to_f32, topk=spec.topk))
+                    out.append(Part("topk", to_f32, topk=spec.topk))
                 elif spec.logits == LogitsMode.INDICES:
-                    out.append(_Part("chosen", to_f32, indices=tuple(spec.indices)))
-            out.extend(_Part("hidden", to_f32, layer=x) for x in spec.layers if x in self.aux_index)
+                    out.append(Part("chosen", to_f32, indices=tuple(spec.indices)))
+            out.extend(Part("hidden", to_f32, layer=x) for x in spec.layers if x in self.aux_index)
             got = self._parts[spec] = tuple(out)
         return got
 
@@ -552,17 +435,26 @@ class CaptureCore:
             raise
         self.end(step)
 
-    def begin(self, view: StepView) -> "CaptureStep | None":
+    def begin(self, view: StepView) -> "CaptureStep | SteadyStep | None":
         """Plan a step; None when no request captures anything in it."""
         self.step += 1
         for rid in view.finished:
             self.forget(rid)
         if not self.requests:
             return None  # nobody captures: nothing per request, nothing per row
-        rows = self._rows_of(view)
-        got = self._decode_step(view, rows)
-        if got is not None:
-            return got or None
+        lay = self._decode
+        rows = None
+        # The same request ids in the same order (compared in C, whatever the batch's size): every
+        # capturing request is at its batch row of the last step, with no lookup.
+        if lay is None or lay.version != self._version or lay.req_ids != view.req_ids:
+            rows = self._rows_of(view)
+            lay = self._layout_for(view, rows)
+        if lay is not None:
+            got = self._decode_step(view, lay)
+            if got is not None:
+                return got or None
+            if rows is None:
+                rows = self._rows_of(view)
         plans, extra_rows, single = self._plan(view, rows)
         if not plans and not extra_rows:
             return None
@@ -570,11 +462,11 @@ class CaptureCore:
         table, by_part = self._parts_of(plans)
         return CaptureStep(self, view, _StepRows(plans, host, single), table, by_part, extra_rows)
 
-    def _parts_of(self, plans: list[_Plan]) -> tuple[RequestTable, list[tuple[_Part, np.ndarray]]]:
+    def _parts_of(self, plans: list[_Plan]) -> tuple[RequestTable, list[tuple[Part, np.ndarray]]]:
         """The step's request table, and each part with the plans (by index) that ask for it.
         Requests asking for the same part (the usual case: all of them) share its record."""
         table = RequestTable([p.req.ref for p in plans], [p.req.packed for p in plans])
-        by_part: dict[_Part, list[int]] = {}
+        by_part: dict[Part, list[int]] = {}
         for j, plan in enumerate(plans):
             for part in plan.req.parts:
                 got = by_part.get(part)
@@ -600,35 +492,60 @@ class CaptureCore:
             return many(self._rids)
         return [row_of.get(rid) for rid in self._rids]
 
-    def _decode_step(self, view: StepView, rows: list) -> "CaptureStep | bool | None":
-        """A decode step of an unchanged batch, planned from the layout cached for it: every
-        capturing request in the batch has one scheduled row, the sampled one, inside its live range.
-        The step (or False: no record to write); None when the step is not such a step."""
+    def _layout_for(self, view: StepView, rows: list) -> "_DecodeLayout | None":
+        """The decode layout of a batch whose request ids changed: the last one when every
+        capturing request kept its batch row, else a new one if the step is a decode step (None
+        when it is not: a batch that changes and mixes in prefill chunks has no layout worth keeping)."""
+        lay = self._decode
+        if lay is not None and lay.version == self._version and lay.rows == rows:
+            lay.req_ids = view.req_ids[:]
+            return lay
+        nreq = len(view.req_ids)
+        if view.query_start[nreq] != nreq:
+            return None
+        lay = self._decode = _DecodeLayout(self, rows, view)
+        return lay
+
+    def _decode_step(self, view: StepView, lay: _DecodeLayout) -> "CaptureStep | SteadyStep | bool | None":
+        """A decode step of an unchanged batch, planned from its layout: every capturing request in
+        the batch has one scheduled row, the sampled one, inside its live range. The step (or
+        False: no record to write); None when the step is not such a step."""
         qsl = view.query_start
         nreq = len(view.req_ids)
         all_single = qsl[nreq] == nreq  # as many rows as requests: every request has one
-        lay = self._decode
-        if lay is None or lay.version != self._version or lay.rows != rows:
-            if not all_single:
-                return None  # a batch that changes and mixes in prefill chunks: no layout worth keeping
-            lay = self._decode = _DecodeLayout(self, rows)
-        elif not all_single and len(lay.present) and not (qsl[lay.present1] - qsl[lay.present] == 1).all():
+        if not all_single and len(lay.present) and not (qsl[lay.present1] - qsl[lay.present] == 1).all():
             return None  # a prefill chunk (or several tokens) of ours in the step: the general plan
         if lay.n == 0:
             return False
         at = lay.idx if lay.run is None else lay.run  # a run of batch rows (the usual case): views
-        q = qsl[at]
         c = view.computed[at]
         # lo <= c < hi for each, as one unsigned comparison: c - lo wraps to a huge value below lo.
-        if not ((c - lay.live_lo).view(np.uint64) < lay.live_span).all():
+        live = lay.live
+        np.subtract(c, lay.live_lo, out=live)
+        if not np.less(live.view(np.uint64), lay.live_span, out=lay.live_ok).all():
             return None
         block = lay.block
         block[1] = c
         host = view.token_ids if isinstance(view.token_ids, np.ndarray) else None
+        # With every request one row, the batch rows are the token rows.
+        flat = None if all_single else qsl[at]
         if host is not None:
-            block[2] = host[q]
+            block[2] = host[at if flat is None else flat]
+        if not lay.steady_tried and self.logits_like is not None:
+            lay.try_steady(self, view)
+        steady = lay.steady
+        if steady is not None and steady.device_ids == (host is None):
+            return steady.start(view, flat) or False
+        q = qsl[at] if flat is None else flat
         return CaptureStep(self, view, _DecodeRows(block, q, lay.idx, lay.everyone), lay.table, lay.by_part, [],
                            lay.wants_logits)
+
+    def forget_steady(self) -> None:
+        """The steady record of the current batch no longer fits its steps: the general path writes
+        them until the batch changes."""
+        if self._decode is not None:
+            self._decode.steady = None
+            self._decode.steady_tried = True
 
     def end(self, step: "CaptureStep") -> None:
         step.finish()
@@ -666,6 +583,10 @@ class CaptureCore:
                 plans.append(_Plan(i, req, lo, row_lo, row_hi, sampled, at))
         return plans, extra_rows, single
 
+    def shard_of(self, dim: int) -> tuple[int, int]:
+        """This rank's [start, stop) of a last dimension of `dim`."""
+        return shard(dim, self.tp_rank, self.tp_size) if self.tp_size > 1 else (0, dim)
+
     def _shard(self, src: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int], int]:
         full = src.shape[-1]
         if self.tp_size == 1:
@@ -690,7 +611,7 @@ class CaptureStep:
     """One planned step: its row tables and request table, and which of its records are written."""
 
     def __init__(self, core: CaptureCore, view: StepView, rows: "_StepRows | _DecodeRows", table: RequestTable,
-                 by_part: list[tuple[_Part, np.ndarray]], extra_rows: list[np.ndarray], wants_logits: bool | None = None):
+                 by_part: list[tuple[Part, np.ndarray]], extra_rows: list[np.ndarray], wants_logits: bool | None = None):
         self.core = core
         self.view = view
         ids = view.token_ids
@@ -718,7 +639,7 @@ class CaptureStep:
             sections, fills = [], []
             for part in parts:
                 src, sl, full = core._shard(self.view.aux[core.aux_index[part.layer]])
-                sections.append(_section(_hidden_id(part.layer), _stored(src, part.to_f32), sl, full))
+                sections.append(section(hidden_id(part.layer), stored_dtype(src, part.to_f32), sl, full))
                 fills.append([(src, flat)])
             self._write(sections, fills, block, flat)
 
@@ -731,6 +652,8 @@ class CaptureStep:
             return
         self.logits_done = True
         core = self.core
+        if logits is not None:
+            core.logits_like = (logits.shape[-1], logits.dtype)
         extra = None
         if self.extra_rows:
             idx = np.concatenate(self.extra_rows)
@@ -745,24 +668,24 @@ class CaptureStep:
                 if part.what == "logits":
                     sharded = [(core._shard(t)[0], i) for t, i in segments]
                     _, sl, full = core._shard(logits if logits is not None else extra)
-                    sections.append(_section(_LOGITS_ID, _stored(sharded[0][0], part.to_f32), sl, full))
+                    sections.append(section(LOGITS_ID, stored_dtype(sharded[0][0], part.to_f32), sl, full))
                     fills.append(sharded)
                     continue
                 take = reduced.taker(sel, block)
                 if part.what == "topk":
                     k = part.topk
                     values = reduced.top[0][:, :k]
-                    sections += [_section(_TOPK_IDS_ID, torch.int32, (0, k), k),
-                                 _section(_TOPK_VALUES_ID, _stored(values, part.to_f32), (0, k), k)]
+                    sections += [section(TOPK_IDS_ID, torch.int32, (0, k), k),
+                                 section(TOPK_VALUES_ID, stored_dtype(values, part.to_f32), (0, k), k)]
                     fills += [[(take(reduced.top[1][:, :k]), None)], [(take(values), None)]]
                 else:
                     chosen = take(reduced.rows)[:, core._indices_tensor(part.indices)]
                     k = chosen.shape[-1]
-                    sections.append(_section(_CHOSEN_ID, _stored(chosen, part.to_f32), (0, k), k))
+                    sections.append(section(CHOSEN_ID, stored_dtype(chosen, part.to_f32), (0, k), k))
                     fills.append([(chosen, None)])
                 lse = take(reduced.lse)
             if lse is not None:  # once per record: the row's logsumexp is the same whatever the part
-                sections.append(_section(_LSE_ID, torch.float32, (0, 1), 1))
+                sections.append(section(LSE_ID, torch.float32, (0, 1), 1))
                 fills.append([(lse, None)])
             self._write(sections, fills, block, flat)
 
@@ -806,12 +729,7 @@ class CaptureStep:
             if not which(part):
                 continue
             block = self.rows.rows(sel)[0] if part.what == "hidden" else self.rows.logit_rows(sel)[0]
-            if part.what == "hidden":
-                tids = [_hidden_id(part.layer)]
-            else:
-                tids = {"logits": [_LOGITS_ID], "topk": [_TOPK_IDS_ID, _TOPK_VALUES_ID, _LSE_ID],
-                        "chosen": [_CHOSEN_ID, _LSE_ID]}[part.what]
-            for tid in tids:
+            for tid in tensor_ids(part):
                 report_drop(core.writer, self.table, block, tid)
 
     def finish(self) -> None:

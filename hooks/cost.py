@@ -4,7 +4,8 @@ A GPU decode step lasts a few milliseconds and a CPU one a hundred times longer,
 can show the hook's cost on a GPU: the worker counts it itself. The runner adapters add the host
 time of each capturing step's tap work (planning, gathers, copies queued, ring reservations); steps
 in which nobody captures do no tap work and are not counted. Every `LOG_EVERY_S` seconds with
-captures, vLLM's log gets one line: steps, mean, p50/p99 (log2 buckets: a p99 of "≤ 64 µs" means
+captures, vLLM's log gets one line: steps (and how many of them the steady way,
+hooks/steady_step.py), mean, p50/p99 (log2 buckets: a p99 of "≤ 64 µs" means
 between 32 and 64), the worst step, what the publisher dropped and the captures admission shed
 (hooks/admission.py) since the last line. A shed capture polls the clock too, so a worker that sheds
 while nothing it admitted is running still says so, once an interval.
@@ -31,8 +32,11 @@ _BUCKETS = 40  # 2**40 ns: any step
 class StepCost:
     """Host nanoseconds of the tap's work per capturing step, bucketed by powers of two."""
 
-    def __init__(self, every_s: float = LOG_EVERY_S, drops=None, thread=None, shed=None):
+    def __init__(self, every_s: float = LOG_EVERY_S, drops=None, thread=None, shed=None, steady=None):
         self.every_s = every_s
+        # callable: capturing steps written the steady way (hooks/steady_step.py) so far
+        self.steady = steady
+        self._steady_before = 0
         self.drops = drops  # callable: records dropped so far (counted by the publisher and ring)
         self.shed = shed  # callable: captures not admitted so far
         # callable: (ns, wakes) the publisher thread spent holding the GIL handling steps, so far
@@ -92,14 +96,16 @@ class StepCost:
         drops = self.drops() if self.drops is not None else 0
         shed = self.shed() if self.shed is not None else 0
         ns, wakes = self.thread() if self.thread is not None else (0, 0)
+        steady = self.steady() if self.steady is not None else 0
         d_ns, d_wakes = ns - self._thread_before[0], wakes - self._thread_before[1]
-        log.info("vllm-tap: %d capturing steps, hook host time mean %.1f us, p50 <= %.0f us, p99 <= %.0f us, "
-                 "max %.0f us; publisher thread %.1f us per step in %d wakes; %d records dropped and %d captures shed "
-                 "(daemon behind) since the last report",
-                 s["steps"], s["mean_us"], s["p50_us"], s["p99_us"], s["max_us"],
+        log.info("vllm-tap: %d capturing steps (%d steady), hook host time mean %.1f us, p50 <= %.0f us, "
+                 "p99 <= %.0f us, max %.0f us; publisher thread %.1f us per step in %d wakes; %d records dropped and "
+                 "%d captures shed (daemon behind) since the last report",
+                 s["steps"], steady - self._steady_before, s["mean_us"], s["p50_us"], s["p99_us"], s["max_us"],
                  d_ns / 1e3 / max(s["steps"], 1), d_wakes, drops - self._drops_before, shed - self._shed_before)
         self._drops_before = drops
         self._shed_before = shed
         self._thread_before = (ns, wakes)
+        self._steady_before = steady
         self.steps = self.total_ns = self.max_ns = 0
         self.buckets = [0] * _BUCKETS

@@ -24,6 +24,14 @@ Two publishers, one interface (`write` a record, `end_step`, `abandon_step`, `cl
   what is free, the record is dropped and reported (DROP records, so the daemon makes gaps) rather
   than waiting for a copy to finish: the forward is never blocked.
 
+  The thread commits the steps of a short while together (COMMIT_BATCH_S, or at once when half the
+  staging is in flight): it takes the GIL, which vLLM's step thread needs, once per batch of steps.
+
+  A record written step after step in the same layout (a decode step of an unchanged batch:
+  hooks/steady_step.py) has its own few staging blocks (`FixedRecord`, `StagingRing.alloc_slot`):
+  the same bytes of the staging buffer each lap, so their views are made once and kept, and a step
+  makes no view but the ring's.
+
   All of it but the streams and events is plain Python over tensors, so the CPU tests run the very
   same class with a `HostBackend` whose "copy stream" is the publisher thread: the copies happen when
   the thread waits on the step's event, after the step has returned, as a DMA would.
@@ -47,7 +55,7 @@ import torch
 
 from vllm_tap import ring_format as rf
 from vllm_tap.ring_records import RequestTable, TensorId
-from vllm_tap.ring_writer import Reservation, RingWriter
+from vllm_tap.ring_writer import PreparedRecord, Reservation, RingWriter
 
 log = logging.getLogger("vllm_tap.hooks")
 
@@ -61,8 +69,19 @@ MIN_STAGING_BYTES = 1 << 20
 # rings up to gigabytes).
 MAX_STAGING_BYTES = 256 << 20
 STAGING_ALIGN = 256  # every staged block starts aligned for any dtype and for fast DMA
+# Staging blocks a record written step after step rotates through (FixedRecord), at most: its copy
+# out may lag this many steps behind the step thread (the publisher thread waits for the GIL, up to
+# a switch interval of 5 ms at a time) before one is dropped. Fewer when the staging holds fewer.
+FIXED_BLOCKS = 64
+# How long the publisher thread gathers steps before it commits them together (a record reaches the
+# daemon this much later at most); it commits at once when half the staging is in flight.
+COMMIT_BATCH_S = 0.005
+# Shapes of such records whose block views are kept: a batch that changes and comes back to the
+# same shape (the same number of capturing requests, ids of the same length) reuses them.
+FIXED_SHAPES = 16
 
 Segment = tuple[torch.Tensor, "np.ndarray | None"]
+_UNIT = (1,)
 
 
 def staging_bytes(ring_bytes: int) -> int:
@@ -114,6 +133,36 @@ class _RingViews:
         return torch.as_strided(base, shape, strides, start)
 
 
+class FixedRecord:
+    """A record of one layout written step after step (a decode step of an unchanged batch): its
+    prepared header and where its tensors go. Under the staged publisher its staging is one of a
+    few fixed blocks, whose views are made the first time each block is used and then kept: a step
+    makes no view but the ring's.
+
+    `reserve_fixed` gives (dests, derived): dests are the token-id destination (None when the ids
+    are on the host and travel with the row table) and one [n, width] destination per section, in
+    the record's order; derived is what `derive(dests)` makes of them (further views), once per
+    block and kept with it, or None."""
+
+    __slots__ = ("prep", "n", "device_ids", "dtypes", "first", "size", "shape", "stride", "count", "blocks", "derive")
+
+    def __init__(self, prep: PreparedRecord, n: int, dtypes: Sequence[torch.dtype], device_ids: bool,
+                 derive=None):
+        self.prep = prep
+        self.n = n
+        self.device_ids = device_ids
+        self.dtypes = tuple(dtypes)
+        # The bytes one copy moves: from the ids (when the device fills them) or section 0's payload
+        # to the end of the last payload, relative to the record's start.
+        self.first = prep.ids_off if device_ids else prep.offsets[0]
+        self.size = prep.data_end - self.first
+        self.shape = (self.size,)
+        self.stride = -(-self.size // STAGING_ALIGN) * STAGING_ALIGN
+        self.count = 0  # staging blocks (StagedPublisher)
+        self.blocks: list = []
+        self.derive = derive
+
+
 class Publisher:
     """CPU: copy into the ring on the step thread, commit at the end of the step."""
 
@@ -142,6 +191,28 @@ class Publisher:
         if device_ids is not None:
             self._gather_into(view(res.token_ids_offset, torch.int32, (n,)), *device_ids)
         return True
+
+    def fixed_record(self, prep: PreparedRecord, n: int, dtypes: Sequence[torch.dtype], device_ids: bool,
+                     derive=None) -> FixedRecord | None:
+        """A record of this layout to write step after step (None: this publisher cannot)."""
+        return FixedRecord(prep, n, dtypes, device_ids, derive)
+
+    def reserve_fixed(self, rec: FixedRecord, table: RequestTable, rows: np.ndarray, step: int) -> tuple | None:
+        """Reserve one step's record of `rec`'s layout (rows as for `write`): its destinations, or
+        None when it was dropped (and reported). Here they are views of the ring itself."""
+        res = self.writer.reserve_prepared(rec.prep, table, rows, step)
+        if res is None:
+            return None
+        self._step.append(res)
+        self._starts.append(res.record_offset)
+        view = self._ring.view
+        at = res.record_offset
+        n = rec.n
+        prep = rec.prep
+        dests = [view(at + prep.ids_off, torch.int32, (n,)) if rec.device_ids else None]
+        for off, dtype, sec in zip(prep.offsets, rec.dtypes, prep.sections):
+            dests.append(view(at + off, dtype, (n, sec[2])))
+        return dests, None if rec.derive is None else rec.derive(dests)
 
     def _gather_into(self, dst: torch.Tensor, src: torch.Tensor, index: np.ndarray | None) -> None:
         rows = _slice_rows(src, index)
@@ -207,6 +278,23 @@ class StagingRing:
         at = self.head % cap
         self.head += n
         return at
+
+    def alloc_slot(self, stride: int, count: int) -> int | None:
+        """The next of `count` fixed blocks of `stride` bytes (an aligned multiple) at the start of
+        the buffer, in order with every other block: its index, or None when it is not free yet.
+        A record of the same shape written step after step always lands on one of them, so views
+        of the blocks can be made once and kept (FixedRecord)."""
+        cap = self.capacity
+        pos = self.head % cap
+        k = -(-pos // stride)
+        if k < count:
+            skip = k * stride - pos
+        else:  # past the last block: the rest of this lap goes unused
+            skip, k = cap - pos, 0
+        if self.head + skip + stride - self.tail > cap:
+            return None
+        self.head += skip + stride
+        return k
 
     def free_to(self, cursor: int) -> None:
         self.tail = cursor
@@ -337,6 +425,7 @@ class StagedPublisher(Publisher):
         self._buf = torch.empty(self.staging.capacity, dtype=torch.uint8, device=backend.device)
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._shapes: dict[tuple, list] = {}  # FixedRecord block views by the record's shape
         self.staging_drops = 0  # records dropped because the staging buffer was full
         self._queued_mark = 0  # staging cursor at the end of the last step handed to the thread
         self._mark = 0  # the thread's: staging cursor of the last step it committed
@@ -345,6 +434,10 @@ class StagedPublisher(Publisher):
         self.thread_wakes = 0
         backend.register(self._ring.ring)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
+        # Put to (by the step thread, when staging runs short, and by drain/close) to end the
+        # thread's wait for more steps at once.
+        self._hurry: queue.SimpleQueue = queue.SimpleQueue()
+        self.batch_s = COMMIT_BATCH_S
         self._thread = threading.Thread(target=self._run, name="vllm-tap-publisher", daemon=True)
         self._thread.start()
 
@@ -368,15 +461,7 @@ class StagedPublisher(Publisher):
         self._step.append(res)
         self._starts.append(res.record_offset)
         if at is None:
-            # Waiting for a copy to free staging would stall the forward: the record becomes PAD
-            # (committed in order with the step), its rows are reported dropped, and it is counted.
-            _pad_out(self.writer, [res.record_offset])
-            self.staging_drops += 1
-            if self.staging_drops == 1 or self.staging_drops % 1000 == 0:
-                log.warning("vllm-tap: device staging buffer full (%d bytes); %d records dropped so far",
-                            self.staging.capacity, self.staging_drops)
-            for sec, (_, nbytes) in zip(sections, res.sections):
-                self.writer.drop_rows(table, rows, sec[0], nbytes)
+            self._staging_full(res, table, rows, sections)
             return False
         n = rows.shape[1]
         if device_ids is not None:
@@ -385,6 +470,58 @@ class StagedPublisher(Publisher):
             _fill_segments(self._staged(at + off - first, sec[5], (n, sec[2])), segments, self._gather_into)
         self._pairs.append((self._ring.view(first, torch.uint8, (size,)), self._staged(at, torch.uint8, (size,))))
         return True
+
+    def fixed_record(self, prep, n, dtypes, device_ids, derive=None) -> FixedRecord | None:
+        rec = FixedRecord(prep, n, dtypes, device_ids, derive)
+        # Several blocks, so the step's copy may lag steps behind before a record is dropped; fewer
+        # than two would drop every other step: such a record takes the general way.
+        rec.count = min(FIXED_BLOCKS, self.staging.capacity // rec.stride)
+        if rec.count < 2:
+            return None
+        shape = (rec.first, rec.size, tuple(prep.offsets), rec.dtypes, tuple(sec[2] for sec in prep.sections),
+                 n, device_ids, derive is not None and (derive.__code__, derive.__defaults__))
+        blocks = self._shapes.pop(shape, None)
+        if blocks is None:
+            blocks = [None] * rec.count
+            if len(self._shapes) >= FIXED_SHAPES:
+                self._shapes.pop(next(iter(self._shapes)))  # the least recently laid out
+        self._shapes[shape] = rec.blocks = blocks
+        return rec
+
+    def reserve_fixed(self, rec: FixedRecord, table: RequestTable, rows: np.ndarray, step: int) -> tuple | None:
+        res = self.writer.reserve_prepared(rec.prep, table, rows, step)
+        if res is None:
+            return None
+        self._step.append(res)
+        self._starts.append(res.record_offset)
+        k = self.staging.alloc_slot(rec.stride, rec.count)
+        if k is None:
+            self._staging_full(res, table, rows, rec.prep.sections)
+            return None
+        got = rec.blocks[k]
+        if got is None:
+            got = rec.blocks[k] = self._block_views(rec, k * rec.stride)
+        self._pairs.append((torch.as_strided(self._ring.ring, rec.shape, _UNIT, res.record_offset + rec.first), got[0]))
+        return got[1]
+
+    def _block_views(self, rec: FixedRecord, at: int) -> tuple:
+        """A staging block's whole-record view and its destinations (as reserve_fixed returns them)."""
+        prep, n = rec.prep, rec.n
+        dests = [self._staged(at, torch.int32, (n,)) if rec.device_ids else None]
+        for off, dtype, sec in zip(prep.offsets, rec.dtypes, prep.sections):
+            dests.append(self._staged(at + off - rec.first, dtype, (n, sec[2])))
+        return self._staged(at, torch.uint8, (rec.size,)), (dests, None if rec.derive is None else rec.derive(dests))
+
+    def _staging_full(self, res: Reservation, table: RequestTable, rows: np.ndarray, sections) -> None:
+        """Waiting for a copy to free staging would stall the forward: the record becomes PAD
+        (committed in order with the step), its rows are reported dropped, and it is counted."""
+        _pad_out(self.writer, [res.record_offset])
+        self.staging_drops += 1
+        if self.staging_drops == 1 or self.staging_drops % 1000 == 0:
+            log.warning("vllm-tap: device staging buffer full (%d bytes); %d records dropped so far",
+                        self.staging.capacity, self.staging_drops)
+        for sec, nbytes in zip(sections, res.prep.nbytes):
+            self.writer.drop_rows(table, rows, sec[0], nbytes)
 
     def _gather_into(self, dst: torch.Tensor, src: torch.Tensor, index: np.ndarray | None) -> None:
         # On the compute stream, into staging (ours, preallocated: nothing to free across streams).
@@ -403,9 +540,12 @@ class StagedPublisher(Publisher):
             self._free_unqueued()
             return
         done = self.backend.copy_after_compute(self._pairs)
-        self._queued_mark = self.staging.head
+        staging = self.staging
+        self._queued_mark = staging.head
         self._q.put((done, self._step, self._starts, self._queued_mark, False))
         self._step, self._starts, self._pairs = [], [], []
+        if staging.head - staging.tail > staging.capacity >> 1:
+            self._hurry.put(True)  # half the staging in flight: the thread commits what it has now
 
     def abandon_step(self) -> None:
         if not self._step:
@@ -428,11 +568,18 @@ class StagedPublisher(Publisher):
             self.backend.thread_init()
         except Exception:
             log.exception("vllm-tap: publisher thread could not set its device")
-        q = self._q
+        q, hurry = self._q, self._hurry
         while True:
-            # Every step queued by now, handled together: under load the thread wakes (and takes
-            # the GIL) once per batch of steps, not once per step.
+            # The steps of a short while handled together: the thread takes the GIL, which vLLM's
+            # step thread needs, once per batch of steps rather than once per step. A batch ends
+            # after `batch_s`, or at once when staging runs short (or on drain and close).
             items = [q.get()]
+            try:
+                hurry.get(timeout=self.batch_s)
+                while True:
+                    hurry.get_nowait()
+            except queue.Empty:
+                pass
             while True:
                 try:
                     items.append(q.get_nowait())
@@ -478,10 +625,12 @@ class StagedPublisher(Publisher):
         """Wait until every queued step is committed (tests, shutdown)."""
         ev = threading.Event()
         self._q.put((_Signal(ev), [], [], self._queued_mark, False))
+        self._hurry.put(True)
         ev.wait(timeout)
 
     def close(self) -> None:
         self._q.put(None)
+        self._hurry.put(True)
         self._thread.join(timeout=5)
         try:
             self.backend.unregister(self._ring.ring)

@@ -98,37 +98,70 @@ class _Cursor:
         self._a[0] = v
 
 
+class PreparedRecord:
+    """A DATA record's layout for one request table, row count and set of sections, worked out
+    once (RingWriter.prepare_record) and reserved against step after step. Offsets are from the
+    record's start."""
+
+    __slots__ = ("sections", "prefix", "slots_off", "ids_off", "section_table", "section_table_off",
+                 "offsets", "nbytes", "total")
+
+    def __init__(self, sections: tuple, prefix: bytes, slots_off: int, ids_off: int, section_table: bytes,
+                 section_table_off: int, offsets: tuple[int, ...], nbytes: tuple[int, ...], total: int):
+        self.sections = sections
+        self.prefix = prefix  # header (step 0), request table, padding: everything before the slots
+        self.slots_off = slots_off
+        self.ids_off = ids_off  # the int32 token ids
+        self.section_table = section_table  # b"" for a record of one section
+        self.section_table_off = section_table_off
+        self.offsets = offsets  # each section's payload
+        self.nbytes = nbytes  # each section's payload bytes
+        self.total = total  # the record's length, padding included
+
+    @property
+    def data_end(self) -> int:
+        """Just past the last section's payload."""
+        return self.offsets[-1] + self.nbytes[-1]
+
+
 class Reservation:
     """Space held in the ring for one record; fill its sections' payloads, then `RingWriter.commit` it.
 
-    (A slotted class, not a dataclass: one is made per record per step.)"""
+    Offsets are within the whole file mapping. (A slotted class, not a dataclass: one is made per
+    record per step.)"""
 
-    __slots__ = ("start", "end", "payload_offset", "payload_nbytes", "token_ids_offset", "record_offset", "done",
-                 "sections", "_buf")
+    __slots__ = ("start", "end", "record_offset", "prep", "done", "_buf")
 
-    def __init__(self, start: int, end: int, payload_offset: int, payload_nbytes: int, token_ids_offset: int,
-                 record_offset: int, buf: np.ndarray, sections: list[tuple[int, int]] | None = None):
+    def __init__(self, start: int, end: int, record_offset: int, prep: PreparedRecord | None = None,
+                 buf: np.ndarray | None = None):
         self.start = start  # cursor where this reservation begins (including any PAD before the record)
         self.end = end
-        self.payload_offset = payload_offset  # byte offset of section 0's payload within the whole file mapping
-        self.payload_nbytes = payload_nbytes  # of section 0
-        self.token_ids_offset = token_ids_offset  # byte offset of the int32 token ids within the file mapping
         self.record_offset = record_offset  # byte offset of the record header within the file mapping
-        # (payload offset within the mapping, bytes) of each section
-        self.sections = sections if sections is not None else [(payload_offset, payload_nbytes)]
+        self.prep = prep  # None for a control record
         self.done = False
         self._buf = buf
 
     @property
     def payload(self) -> np.ndarray:
-        """uint8 view of the payload bytes (of section 0)."""
-        return self._buf[self.payload_offset : self.payload_offset + self.payload_nbytes]
+        """uint8 view of section 0's payload bytes."""
+        at = self.record_offset + self.prep.offsets[0]
+        return self._buf[at : at + self.prep.nbytes[0]]
+
+    @property
+    def token_ids_offset(self) -> int:
+        """Byte offset of the int32 token ids within the file mapping."""
+        return self.record_offset + self.prep.ids_off
+
+    @property
+    def sections(self) -> list[tuple[int, int]]:
+        """(payload offset within the file mapping, bytes) of each section."""
+        at = self.record_offset
+        return [(at + o, nb) for o, nb in zip(self.prep.offsets, self.prep.nbytes)]
 
     @property
     def data_end(self) -> int:
         """Offset within the mapping just past the last section's payload."""
-        at, nb = self.sections[-1]
-        return at + nb
+        return self.record_offset + self.prep.data_end
 
 
 class RingWriter:
@@ -316,13 +349,6 @@ class RingWriter:
                 return got
         return None
 
-    def _push(self, start: int, end: int, payload_off: int, nbytes: int, ids_off: int = 0,
-              record_off: int = 0) -> Reservation:
-        h = rf.HEADER_SIZE
-        res = Reservation(start, end, h + payload_off, nbytes, h + ids_off, h + record_off, self._buf)
-        self._pending.append(res)
-        return res
-
     def _publish(self) -> None:
         pending = self._pending
         end = -1
@@ -360,8 +386,9 @@ class RingWriter:
             return False
         start, at = got
         self._encode_header(at % self.capacity, total, kind, key, mb, 0, payload_off)
-        res = self._push(start, at + total, 0, 0)
+        res = Reservation(start, at + total, rf.HEADER_SIZE + at % self.capacity)
         res.done = True
+        self._pending.append(res)
         return True
 
     def _flush_backlog(self) -> bool:
@@ -527,15 +554,23 @@ class RingWriter:
         """
         if rows.dtype != _ROW_DTYPE or rows.ndim != 2 or rows.shape[0] != 3 or not rows.flags.c_contiguous:
             raise ValueError("rows must be a C-contiguous int32 array of shape [3, n]")
-        n = rows.shape[1]
-        meta = table.blob
-        # The record's header, request table and section table are the same from step to step
-        # while the batch is (only the step number differs): packed once, stored with one slice store.
-        key = (meta, n, sections)
+        return self.reserve_prepared(self.prepare_record(table, rows.shape[1], sections), table, rows, step)
+
+    def prepare_record(self, table: RequestTable, n: int, sections: tuple) -> PreparedRecord:
+        """The layout of a DATA record of `n` rows for `table`'s requests with these sections. The
+        header, request table and section table are the same from step to step while the batch is
+        (only the step number differs): packed once, kept for the recent batches."""
+        key = (table.blob, n, sections)
         prep = self._prepared.get(key)
         if prep is None:
             prep = self._prepare(key, len(table))
-        prefix, slots_off, ids_off, sec_table, sec_off, offsets, nbytes, total = prep
+        return prep
+
+    def reserve_prepared(self, prep: PreparedRecord, table: RequestTable, rows: np.ndarray, step: int
+                        ) -> Reservation | None:
+        """`reserve_sections` for a record prepared before (`prepare_record` with this table, rows'
+        count and sections): what a decode step of an unchanged batch does, with nothing to work
+        out. rows as for reserve_sections (not checked again)."""
         with self._lock:
             # Checked at the first reservation after a commit (a step's first record) and at the
             # commit: one fstat each, not one per record.
@@ -543,9 +578,20 @@ class RingWriter:
                 self._lost["records"] += 1
                 return None
             self._checked = True
-            got = self._reserve_blocking(total)
+            total = prep.total
+            # The usual case inline (nothing queued, no blocking): _try_reserve's check, then its
+            # two stores.
+            w = self._reserved
+            cap = self.capacity
+            pos = w % cap
+            if (not self._backlog and self.block_timeout <= 0 and pos + total <= cap
+                    and total <= cap - (w - self._read.get())):
+                got = (w, w)
+                self._reserved = w + total
+            else:
+                got = self._reserve_blocking(total)
             if got is None:
-                for sec in sections:
+                for sec in prep.sections:
                     self._drop(table, rows[0], rows[1], sec[0], total)
                 self._checked = False  # no commit may follow: check again at the next record
                 return None
@@ -553,25 +599,29 @@ class RingWriter:
             rel = at % self.capacity
             mm = self._mm
             base = rf.HEADER_SIZE + rel
-            mm[base : base + slots_off] = prefix
+            slots_off = prep.slots_off
+            mm[base : base + slots_off] = prep.prefix
             _STEP.pack_into(mm, base + _STEP_OFFSET, step)
+            n = rows.shape[1]
+            sec_table = prep.section_table
             if sec_table:
                 mm[base + slots_off : base + slots_off + 8 * n] = rows[:2]
+                sec_off = prep.section_table_off
                 mm[base + sec_off : base + sec_off + len(sec_table)] = sec_table
+                ids_off = prep.ids_off
                 mm[base + ids_off : base + ids_off + 4 * n] = rows[2]
             else:  # slots, positions and ids lie together: one store
                 mm[base + slots_off : base + slots_off + 12 * n] = rows
             self._records_written += 1
             self._bytes_written += total
             _COUNTS.pack_into(mm, rf.STATS_OFFSET, self._records_written, self._bytes_written)
-            res = self._push(start, at + total, rel + offsets[0], nbytes[0], rel + ids_off, rel)
-            if sec_table:
-                res.sections = [(base + o, nb) for o, nb in zip(offsets, nbytes)]
+            res = Reservation(start, at + total, base, prep, self._buf)
+            self._pending.append(res)
             return res
 
-    def _prepare(self, key: tuple, n_requests: int) -> tuple:
-        """A DATA record's prefix (header with step 0, request table, padding), its section table and
-        its offsets."""
+    def _prepare(self, key: tuple, n_requests: int) -> PreparedRecord:
+        """A DATA record prepared: its prefix (header with step 0, request table, padding), its
+        section table and its offsets."""
         meta, n, sections = key
         if n_requests > rf.MAX_REQUESTS_PER_RECORD:
             raise ValueError(f"a record holds at most {rf.MAX_REQUESTS_PER_RECORD} requests")
@@ -592,12 +642,12 @@ class RingWriter:
             0, k if k > 1 else 0, len(meta), 0, sl[0], sl[1], full_dim, payload_off)
         prefix = head.ljust(rf.RECORD_HEADER_SIZE, b"\0") + meta
         prefix = prefix.ljust(slots_off, b"\0")
-        sec_off = pos_off + 4 * n
         sec_table = b"".join(rf.SECTION.pack(sec[0].kind, sec[1], sec[0].layer, 0, *sec[3], sec[4], o)
                              for sec, o in zip(sections, offsets)) if k > 1 else b""
         if len(self._prepared) >= _MAX_PREPARED:  # batches come and go: keep the recent ones
             self._prepared.clear()
-        prep = self._prepared[key] = (prefix, slots_off, ids_off, sec_table, sec_off, offsets, nbytes, total)
+        prep = self._prepared[key] = PreparedRecord(sections, prefix, slots_off, ids_off, sec_table, pos_off + 4 * n,
+                                                tuple(offsets), tuple(nbytes), total)
         return prep
 
     def drop_rows(self, table: RequestTable, rows: np.ndarray, tensor: TensorId, nbytes: int) -> None:

@@ -10,7 +10,10 @@ over stand-in steps under a TorchDispatchMode that records every op the step thr
 - nobody capturing: no op at all, whatever the batch;
 - capturing: the same ops for 8 and 64 requests (decode, and a step with prefill chunks), a fixed
   number more per extra tensor kind (one gather), and one device-to-host copy per record, not per
-  tensor.
+  tensor;
+- a steady decode step (hooks/steady_step.py: the batch unchanged, every capturing request one row)
+  is one record of a few ops, the same at 8, 32 and 128 requests: full logits + 2 layers at most 6,
+  top-20 at most 8, and one device-to-host copy.
 """
 
 from __future__ import annotations
@@ -26,11 +29,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from test_runner_adapters import TinyModel, V1Runner, V2Runner, scheduler_outputs
 from vllm_tap.hooks import runner_v1, runner_v2
 from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView
-from vllm_tap.hooks.publisher import HostBackend, StagedPublisher
+from vllm_tap.hooks.publisher import FIXED_BLOCKS, HostBackend, StagedPublisher
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
 from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_writer import RingWriter
-from vllm_tap.spec import CaptureSpec
+from vllm_tap.spec import CaptureSpec, LogitsMode, PositionsMode
 
 # Ops that make the host wait for a CUDA device (or allocate page-locked memory) when the tensors
 # involved live on it.
@@ -72,7 +75,7 @@ def _spec(kinds: int) -> dict:
 class Batch:
     """n requests: the first `prefill` run a prefill chunk of 4 rows, the rest decode one row."""
 
-    def __init__(self, n: int, prefill: int = 0, seed: int = 0):
+    def __init__(self, n: int, prefill: int = 0, seed: int = 0, dtype: torch.dtype = torch.float32):
         g = torch.Generator().manual_seed(seed)
         self.rids = [f"r{i}" for i in range(n)]
         sched = [4] * prefill + [1] * (n - prefill)
@@ -80,9 +83,9 @@ class Batch:
         np.cumsum(sched, out=self.qsl[1:])
         rows = int(self.qsl[-1])
         self.computed = np.array([0] * prefill + [20] * (n - prefill), np.int32)
-        self.weight = torch.randn(VOCAB, HIDDEN, generator=g)
-        self.hidden = torch.randn(rows, HIDDEN, generator=g)
-        self.aux = [torch.randn(rows, HIDDEN, generator=g) for _ in LAYERS]
+        self.weight = torch.randn(VOCAB, HIDDEN, generator=g).to(dtype)
+        self.hidden = torch.randn(rows, HIDDEN, generator=g).to(dtype)
+        self.aux = [torch.randn(rows, HIDDEN, generator=g).to(dtype) for _ in LAYERS]
         self.ids = torch.randint(0, VOCAB, (rows,), dtype=torch.int32, generator=g)  # on the "device"
         self.logits = self.hidden[torch.from_numpy(self.qsl[1:] - 1).long()] @ self.weight.T
 
@@ -91,16 +94,17 @@ class Batch:
                         lambda h: h @ self.weight.T, row_of={r: i for i, r in enumerate(self.rids)})
 
 
-def _ops_per_step(shm, n: int, kinds: int = 3, prefill: int = 0, steps: int = 3):
+def _ops_per_step(shm, n: int, kinds: int = 3, prefill: int = 0, steps: int = 3, spec: dict | None = None,
+                  dtype: torch.dtype = torch.float32):
     """Ops the step thread issued in each capturing step after the first (which plans the batch), and
     the device-to-host copies queued per step."""
     writer = RingWriter(f"{shm}/ops-{n}-{kinds}-{prefill}/rank-00000.ring", 8 << 20, wake_daemon=False)
     backend = CountingBackend()
     pub = StagedPublisher(writer, backend, 2 << 20)
-    core = CaptureCore(writer, RankPlace(stage_layers=(LAYERS,)), pub, model_dtype=torch.float32)
-    batch = Batch(n, prefill)
+    core = CaptureCore(writer, RankPlace(stage_layers=(LAYERS,)), pub, model_dtype=dtype)
+    batch = Batch(n, prefill, dtype=dtype)
     for rid in batch.rids:
-        core.learn(rid, _spec(kinds), 10)
+        core.learn(rid, spec or _spec(kinds), 10)
     logs = []
     reader = RingReader(writer.path)
     try:
@@ -132,19 +136,52 @@ def test_a_capturing_step_issues_the_same_ops_for_8_and_64_requests(shm, prefill
     assert small_copies == large_copies
 
 
-def test_each_extra_tensor_kind_costs_one_gather_and_every_record_one_copy(shm):
-    """Full logits, then + one hidden layer, then + two: each layer adds one copy into the step's
-    staging and one view of it, and the device-to-host copies stay one per record (the states, the
-    logits), not one per tensor."""
+@pytest.mark.parametrize("prefill", [0, 2], ids=["steady-decode", "with-prefill-chunks"])
+def test_each_extra_tensor_kind_costs_one_gather_and_every_record_one_copy(shm, prefill):
+    """Full logits, then + one hidden layer, then + two: each layer adds one gather (a steady decode
+    step: into its record's staging block, whose views are kept; else also a view of the step's
+    staging), and the device-to-host copies stay one per record, not one per tensor: one a steady
+    step (its states and logits are one record), two otherwise (the states, the logits)."""
     counts = {}
     for kinds in (1, 2, 3):
-        logs, copies = _ops_per_step(shm, 8, kinds=kinds)
+        logs, copies = _ops_per_step(shm, 8, kinds=kinds, prefill=prefill, steps=FIXED_BLOCKS + 3)
         counts[kinds] = len(logs[-1])
-        assert set(copies) == {1 if kinds == 1 else 2}, copies
-    # A second record (the states): its ids (a view, a gather), the views its one copy moves between,
-    # its one section (a view, a gather).
-    assert counts[2] - counts[1] <= 6
-    assert counts[3] - counts[2] <= 2  # another section: one view, one gather
+        assert set(copies) == {1 if kinds == 1 or not prefill else 2}, copies
+    if not prefill:
+        assert counts[2] - counts[1] == counts[3] - counts[2] == 1
+    else:
+        # A second record (the states): its ids (a view, a gather), the views its one copy moves
+        # between, its one section (a view, a gather).
+        assert counts[2] - counts[1] <= 6
+        assert counts[3] - counts[2] <= 2  # another section: one view, one gather
+
+
+STEADY_SPECS = {
+    "full-logits+2-layers": (CaptureSpec(layers=LAYERS[:2]), 6),
+    "top-20": (CaptureSpec(logits=LogitsMode.TOPK, topk=20, layers=(), positions=PositionsMode.OUTPUT), 8),
+    "layers-only": (CaptureSpec(logits=LogitsMode.NONE, layers=LAYERS[:2]), 6),
+}
+
+
+@pytest.mark.parametrize("what", list(STEADY_SPECS))
+def test_a_steady_decode_step_is_a_few_torch_calls_whatever_the_batch(shm, what):
+    """bfloat16, token ids on the "device", every request capturing, the batch unchanged: the same
+    few ops at 8, 32 and 128 requests, none syncing, and one device-to-host copy a step. (On CUDA
+    that copy is issued on the step thread too, and top-k's float32 log_softmax is one kernel where
+    the CPU converts first: the count is the same there.)"""
+    spec, most = STEADY_SPECS[what]
+    per_batch = {}
+    for n in (8, 32, 128):
+        # Past the first lap of the record's staging blocks, whose views are made on first use.
+        logs, copies = _ops_per_step(shm, n, spec={SPEC_EXTRA_ARG: spec.to_meta()}, dtype=torch.bfloat16,
+                                     steps=FIXED_BLOCKS + 3)
+        for ops in logs:
+            assert not _syncing(ops), f"ops that wait for the device: {_syncing(ops)}"
+        assert set(copies) == {1}, copies
+        per_batch[n] = collections.Counter(logs[-1])
+        assert logs[-1] == logs[-2], "every steady step issues the same ops"
+    assert per_batch[8] == per_batch[32] == per_batch[128], per_batch
+    assert sum(per_batch[8].values()) <= most, per_batch[8]
 
 
 def _run_adapter(kind: str, shm: str, capture: bool):

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView, topk_rows
+from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView
+from vllm_tap.hooks.reductions import topk_rows
 from vllm_tap.hooks.publisher import HostBackend, Publisher, StagedPublisher, StagingRing
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
 from vllm_tap.ring_reader import RingReader
@@ -150,9 +151,10 @@ def ring(shm):
         w.close(unlink=True)
 
 
-def make_core(writer, staged=False, place=RankPlace(stage_layers=(LAYERS,)), staging=1 << 20, **kw):
+def make_core(writer, staged=False, place=RankPlace(stage_layers=(LAYERS,)), staging=1 << 20,
+              model_dtype=torch.float32, **kw):
     pub = StagedPublisher(writer, HostBackend(), staging) if staged else Publisher(writer)
-    return CaptureCore(writer, place, pub, model_dtype=torch.float32, **kw)
+    return CaptureCore(writer, place, pub, model_dtype=model_dtype, **kw)
 
 
 def finish(core):
@@ -329,7 +331,7 @@ def test_the_core_imports_no_vllm():
     """The core runs with torch alone: capture a step in a fresh interpreter, then look."""
     code = (
         "import sys, torch, numpy as np\n"
-        "from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView, topk_rows\n"
+        "from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView\n"
         "from vllm_tap.hooks.publisher import Publisher\n"
         "from vllm_tap.hooks.settings import SPEC_EXTRA_ARG\n"
         "from vllm_tap.ring_reader import RingReader\nfrom vllm_tap.ring_writer import RingWriter\n"
@@ -498,7 +500,7 @@ def test_staged_publisher_commits_only_after_the_copy_and_drops_when_staging_is_
             st.computed = np.array([10 + steps.index(st)] * 4, np.int32)
             st.learn(core)
             core.capture(st.view())
-        assert core.publisher.staging_drops == 2  # the third step's records: hidden (2 and 5), logits
+        assert core.publisher.staging_drops == 1  # the third step's record (hidden 2 and 5, logits)
         gate.set()
         core.publisher.drain()
         got, _, drops, _ = read(writer.path)

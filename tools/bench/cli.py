@@ -91,6 +91,9 @@ def _sigterm_to_exit(signum, frame) -> None:
 # hook
 @click.option("--hook-vocab", default=None, metavar="V,V", help="Hook-cost vocabulary sizes. [32000,128256]")
 @click.option("--hook-steps", type=click.IntRange(min=1), default=None, help="Timed steps per scenario and repeat. [40]")
+@click.option("--against", "against", multiple=True, metavar="REV",
+              help="Hook: also measure the host-only scenario with the code of this git revision of the checkout "
+                   "(repeatable), interleaved with this one: before/after in one run.")
 # transport
 @click.option("--sizes", default=None, metavar="4K,1M", help="Transport record sizes. [4K,16K,64K,256K,1M,4M]")
 @click.option("--subscribers", default=None, metavar="1,4", help="Transport subscriber counts. [1,4]")
@@ -164,6 +167,14 @@ def bench(what: str, out: str, into: str | None, quick: bool, repeats: int | Non
             if opt["hook_steps"]:
                 p.steps = opt["hook_steps"]
             results["hook"] = hook_cost.run(p, echo)
+            from vllm_tap.tools.bench import hook_host
+
+            hp = hook_host.HostParams.quick() if quick else hook_host.HostParams()
+            if repeats:
+                hp.repeats = repeats
+            hp.against = list(opt["against"])
+            results["hook_host"] = hook_host.run(hp, echo)
+            click.echo("\n".join(hook_host.table(results["hook_host"])))
         else:
             from vllm_tap.tools.bench import serving
 

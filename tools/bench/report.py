@@ -77,6 +77,20 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             out.append({"part": "hook", "target": f"V={row['vocab']} {row['scenario']}: hook ≤ {_limit_words(hk)}",
                         "measured": f"{row['hook_cpu_us']:.0f} µs vs limit {row['limit_cpu_us']:.0f} µs",
                         "met": row["met"]})
+    hh = results.get("hook_host")
+    if hh:
+        this = hh["versions"][0]
+        for row in hh["summary"]:
+            if row["version"] != this:
+                continue
+            out.append({"part": "hook (host-only)",
+                        "target": f"{row['spec']} @ {row['batch']}: ≤ 30 µs"
+                                  + (" + its top-k" if row["topk_us"] else "") + f", ≤ {_host_calls(row)} calls",
+                        "measured": f"{row['host_less_topk_us']:.0f} µs"
+                                    + (f" (+ top-k {row['topk_us']:.0f})" if row["topk_us"] else "")
+                                    + f", {row['calls']} calls" + ("" if row.get("calls_constant", True) else
+                                                                   " (not the same at every batch)"),
+                        "met": row["met_us"] and row["met_calls"] and row.get("calls_constant", True)})
     tp = results.get("transport")
     if tp:
         rows = [r for r in tp["summary"] if r.get("path", "arena") == "arena"]
@@ -452,6 +466,12 @@ def _watch_md(tp: dict[str, Any]) -> list[str]:
     return out
 
 
+def _host_calls(row: dict[str, Any]) -> int:
+    from vllm_tap.tools.bench import hook_host
+
+    return hook_host.TARGET_CALLS[row["spec"]]
+
+
 def markdown(results: dict[str, Any], title: str = "vllm-tap benchmark") -> str:
     lines = [f"# {title}", ""] + _machine(results) + [""]
     ts = targets(results)
@@ -463,6 +483,10 @@ def markdown(results: dict[str, Any], title: str = "vllm-tap benchmark") -> str:
         lines += serving_md(results["serving"])
     if results.get("hook"):
         lines += hook_md(results["hook"])
+    if results.get("hook_host"):
+        from vllm_tap.tools.bench import hook_host
+
+        lines += hook_host.table(results["hook_host"])
     if results.get("transport"):
         lines += transport_md(results["transport"])
     if results.get("ingest"):
@@ -562,6 +586,13 @@ def plots(results: dict[str, Any], outdir: str) -> list[str]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
+    hh = results.get("hook_host")
+    if hh:
+        from vllm_tap.tools.bench import hook_host
+
+        path = hook_host.plot(plt, hh, outdir)
+        if path:
+            written.append(path)
     ig = results.get("ingest")
     if ig:
         path = _ingest_plot(plt, ig, outdir)

@@ -1,0 +1,67 @@
+"""What a capture asks of one rank each step, in the words of its ring records.
+
+A `Part` is one kind of record content a request's spec asks this rank for (full logits, top-k,
+chosen logits, one layer's hidden states); requests with equal parts share records. A part is
+written as one or more sections (tensors) of a DATA record: `tensor_ids(part)` names them, and
+`section(...)` describes one as the publisher and the ring writer take it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from vllm_tap import ring_format as rf
+from vllm_tap.hooks.publisher import STORAGE
+from vllm_tap.ring_records import TensorId
+
+
+class Part(NamedTuple):
+    """One kind of content a spec asks of this rank each step. (A tuple: it is a dict key when a
+    step is planned, and tuples hash in C.)"""
+
+    what: str  # "logits" | "topk" | "chosen" | "hidden"
+    to_f32: bool = False
+    layer: int = -1
+    topk: int = 0
+    indices: tuple[int, ...] = ()
+
+
+LOGITS_ID = TensorId(rf.TensorKind.LOGITS)
+TOPK_IDS_ID = TensorId(rf.TensorKind.TOPK_IDS)
+TOPK_VALUES_ID = TensorId(rf.TensorKind.TOPK_VALUES)
+CHOSEN_ID = TensorId(rf.TensorKind.CHOSEN)
+LSE_ID = TensorId(rf.TensorKind.LOGSUMEXP)
+_HIDDEN_IDS: dict[int, TensorId] = {}
+# The sections of each logits part: top-k is ids + values + the row's logsumexp, chosen is values +
+# logsumexp (a record that carries several of them holds the logsumexp once).
+_LOGIT_TENSORS = {"logits": (LOGITS_ID,), "topk": (TOPK_IDS_ID, TOPK_VALUES_ID, LSE_ID), "chosen": (CHOSEN_ID, LSE_ID)}
+
+
+def hidden_id(layer: int) -> TensorId:
+    tid = _HIDDEN_IDS.get(layer)
+    if tid is None:
+        tid = _HIDDEN_IDS[layer] = TensorId(rf.TensorKind.HIDDEN, layer)
+    return tid
+
+
+def tensor_ids(part: Part) -> tuple[TensorId, ...]:
+    """The tensors (record sections) a part is written as."""
+    return (hidden_id(part.layer),) if part.what == "hidden" else _LOGIT_TENSORS[part.what]
+
+
+def tensors_per_step(parts: tuple[Part, ...]) -> int:
+    """How many tensors a rank writes for a request with these parts each step it captures."""
+    return sum(len(tensor_ids(p)) for p in parts)
+
+
+def section(tid: TensorId, dtype: torch.dtype, sl: tuple[int, int], full: int) -> tuple:
+    """A record section as the publisher takes it: the ring writer's five fields, then the storage dtype."""
+    return (tid, STORAGE[dtype], sl[1] - sl[0], sl, full, dtype)
+
+
+def stored_dtype(t: "torch.Tensor | torch.dtype", to_f32: bool) -> torch.dtype:
+    """The dtype a tensor's rows are stored in: its own, or float32 when the spec asks for it."""
+    dtype = t if isinstance(t, torch.dtype) else t.dtype
+    return torch.float32 if to_f32 and dtype.is_floating_point else dtype
