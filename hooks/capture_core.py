@@ -438,8 +438,9 @@ class CaptureCore:
     def begin(self, view: StepView) -> "CaptureStep | SteadyStep | None":
         """Plan a step; None when no request captures anything in it."""
         self.step += 1
-        for rid in view.finished:
-            self.forget(rid)
+        if view.finished:
+            for rid in view.finished:
+                self.forget(rid)
         if not self.requests:
             return None  # nobody captures: nothing per request, nothing per row
         lay = self._decode
@@ -512,7 +513,7 @@ class CaptureCore:
         False: no record to write); None when the step is not such a step."""
         qsl = view.query_start
         nreq = len(view.req_ids)
-        all_single = qsl[nreq] == nreq  # as many rows as requests: every request has one
+        all_single = int(qsl[nreq]) == nreq  # as many rows as requests: every request has one
         if not all_single and len(lay.present) and not (qsl[lay.present1] - qsl[lay.present] == 1).all():
             return None  # a prefill chunk (or several tokens) of ours in the step: the general plan
         if lay.n == 0:
@@ -534,7 +535,7 @@ class CaptureCore:
         if not lay.steady_tried and self.logits_like is not None:
             lay.try_steady(self, view)
         steady = lay.steady
-        if steady is not None and steady.device_ids == (host is None):
+        if steady is not None and steady.device_ids is (host is None):
             return steady.start(view, flat) or False
         q = qsl[at] if flat is None else flat
         return CaptureStep(self, view, _DecodeRows(block, q, lay.idx, lay.everyone), lay.table, lay.by_part, [],

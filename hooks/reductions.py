@@ -64,9 +64,10 @@ def topk_into(x: torch.Tensor, k: int, values: torch.Tensor, ids: torch.Tensor) 
 
 
 def log_softmax_f32(x: torch.Tensor) -> torch.Tensor:
-    """log_softmax of each row of x in float32, as vLLM computes its logprobs. On CUDA a half or
-    bfloat16 x is converted inside the one kernel (`half_to_float`, as autocast calls it): one
-    launch, not a conversion and then the softmax. The CPU has no such kernel."""
-    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+    """log_softmax of each row of x in float32, as vLLM computes its logprobs. On CUDA a float16 x
+    is converted inside the one kernel (`half_to_float`, as autocast calls it): one launch, not a
+    conversion and then the softmax. PyTorch's kernel takes float16 only for that (bfloat16 and the
+    CPU convert first)."""
+    if x.is_cuda and x.dtype == torch.float16:
         return torch._log_softmax(x, -1, True)
     return torch.log_softmax(x, -1, dtype=torch.float32)

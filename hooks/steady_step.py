@@ -19,7 +19,10 @@ is worked out once, when the batch changes (`SteadyRecord`), and a step only fil
 A step is one record: its hidden-state sections first (written when the runner has them), then its
 logits sections (written when the logits appear: V2 computes them later, inside sample()). Torch
 calls per step, counted by tests/hooks/test_hook_ops.py with the token ids on the device: full
-logits + 2 layers 6 (4 gathers, the ring view, the copy); top-20 8.
+logits + 2 layers 5 on the step thread (4 gathers, the ring view) and the record's copy; top-20 8
+(the ids' gather, topk, the ids' copy to int32, the conversion to float32, log_softmax, gather,
+sub, the ring view) and the copy. (On CUDA the copy is issued from the step thread too; a float16
+model's log_softmax needs no conversion first.)
 
 It holds only while every capturing request asks for the same parts (one record fits them all)
 and the record fits the publisher's blocks; otherwise, and for every step that is not such a step
@@ -84,7 +87,7 @@ class SteadyRecord:
     the batch cannot take the steady way (then the general path writes its steps)."""
 
     __slots__ = ("core", "fixed", "table", "block", "n", "whole", "rows_dev", "states", "logits_fill", "topk",
-                 "vocab", "logits_dtype", "buffers", "tids", "wants_logits")
+                 "vocab", "logits_dtype", "buffers", "tids", "wants_logits", "device_ids")
 
     @classmethod
     def build(cls, core: Core, table: RequestTable, by_part: list, block: np.ndarray, batch_rows: np.ndarray,
@@ -154,11 +157,8 @@ class SteadyRecord:
             return None
         rec.tids = [sec[0] for sec in sections]
         rec.wants_logits = bool(logit_parts)
+        rec.device_ids = device_ids  # the token ids are a device tensor (gathered into the record)
         return rec
-
-    @property
-    def device_ids(self) -> bool:
-        return self.fixed.device_ids
 
     def start(self, view: StepView, flat: np.ndarray | None) -> "SteadyStep | None":
         """This step's record, its row table filled (flat: the rows' indices in the step's tokens

@@ -585,7 +585,7 @@ class RingWriter:
             cap = self.capacity
             pos = w % cap
             if (not self._backlog and self.block_timeout <= 0 and pos + total <= cap
-                    and total <= cap - (w - self._read.get())):
+                    and total <= cap - (w - int(self._read._a[0]))):
                 got = (w, w)
                 self._reserved = w + total
             else:

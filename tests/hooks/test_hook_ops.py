@@ -166,9 +166,8 @@ STEADY_SPECS = {
 @pytest.mark.parametrize("what", list(STEADY_SPECS))
 def test_a_steady_decode_step_is_a_few_torch_calls_whatever_the_batch(shm, what):
     """bfloat16, token ids on the "device", every request capturing, the batch unchanged: the same
-    few ops at 8, 32 and 128 requests, none syncing, and one device-to-host copy a step. (On CUDA
-    that copy is issued on the step thread too, and top-k's float32 log_softmax is one kernel where
-    the CPU converts first: the count is the same there.)"""
+    few ops on the step thread at 8, 32 and 128 requests, none syncing, and the record's one
+    device-to-host copy a step (which a CUDA step thread issues as one more call)."""
     spec, most = STEADY_SPECS[what]
     per_batch = {}
     for n in (8, 32, 128):

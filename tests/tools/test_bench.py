@@ -12,11 +12,11 @@ import sys
 import pytest
 
 
-def _bench(tmp_path, part: str) -> dict:
+def _bench(tmp_path, part: str, *args: str) -> dict:
     out = tmp_path / part
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_tap.cli", "bench", part, "--quick", "--into", str(out), "--no-latest"],
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "vllm_tap.cli", "bench", part, "--quick", "--into", str(out), "--no-latest", *args],
+        capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     for name in ("results.md", "results.json"):
@@ -67,15 +67,27 @@ def test_bench_ingest_quick(tmp_path):
     assert fit["captures"] == [16, 64] and all(math.isfinite(fit[k]) for k in ("us_per_step", "us_per_capture"))
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(200)
 def test_bench_hook_quick(tmp_path):
-    r = _bench(tmp_path, "hook")["hook"]
+    """The real sizes, and the host-only scenario measured for this checkout and, before/after in
+    the same run, for a git revision of it (HEAD here) in a worktree of its own."""
+    results = _bench(tmp_path, "hook", "--against", "HEAD")
+    r = results["hook"]
     rows = {row["scenario"]: row for row in r["summary"]}
     assert rows["decode-8-none"]["captured_bytes"] == 0
     full = rows["decode-8"]
     assert full["captured_bytes"] > 0 and full["hook_us"] > 0 and full["memcpy_us"] > 0
     assert full["dropped_records"] == 0
     assert rows["prefill-128"]["lm_head_us"] > 0  # the extra lm-head pass is timed apart from the hook
+    host = results["hook_host"]
+    assert len(host["versions"]) == 2
+    got = {(row["version"], row["spec"], row["batch"]) for row in host["summary"]}
+    assert got == {(v, s, b) for v in host["versions"] for s in host["params"]["specs"] for b in host["params"]["batches"]}
+    for row in host["summary"]:
+        assert row["host_us"] > 0 and row["step_ops"] > 0 and row["dropped"] == 0, row
+        assert row["copies"] == 1 or row["spec"] == "full+2 layers", row  # one record a step (two before the steady step)
+        assert (row["topk_us"] > 0) == (row["spec"] == "top-20"), row
+    assert "host-only scenario" in (tmp_path / "hook" / "results.md").read_text()
 
 
 # -- the serving part's accounting (no vLLM server: the serving bench itself takes minutes, so it

@@ -153,7 +153,12 @@ def bench(what: str, out: str, into: str | None, quick: bool, repeats: int | Non
             p.subscribers = _ints(opt["subscribers"]) or p.subscribers
             results["transport"] = transport.run(p, outdir, echo)
         elif part == "hook":
-            from vllm_tap.tools.bench import hook_cost
+            from vllm_tap.tools.bench import hook_cost, hook_host
+
+            try:
+                hook_host.check_revisions(list(opt["against"]))
+            except RuntimeError as e:
+                raise click.ClickException(str(e)) from None
 
             if opt["preset"] == "small":
                 p = hook_cost.HookParams.small()
@@ -167,13 +172,14 @@ def bench(what: str, out: str, into: str | None, quick: bool, repeats: int | Non
             if opt["hook_steps"]:
                 p.steps = opt["hook_steps"]
             results["hook"] = hook_cost.run(p, echo)
-            from vllm_tap.tools.bench import hook_host
-
             hp = hook_host.HostParams.quick() if quick else hook_host.HostParams()
             if repeats:
                 hp.repeats = repeats
             hp.against = list(opt["against"])
-            results["hook_host"] = hook_host.run(hp, echo)
+            try:
+                results["hook_host"] = hook_host.run(hp, echo)
+            except RuntimeError as e:
+                raise click.ClickException(str(e)) from None
             click.echo("\n".join(hook_host.table(results["hook_host"])))
         else:
             from vllm_tap.tools.bench import serving

@@ -88,7 +88,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                                   + (" + its top-k" if row["topk_us"] else "") + f", ≤ {_host_calls(row)} calls",
                         "measured": f"{row['host_less_topk_us']:.0f} µs"
                                     + (f" (+ top-k {row['topk_us']:.0f})" if row["topk_us"] else "")
-                                    + f", {row['calls']} calls" + ("" if row.get("calls_constant", True) else
+                                    + f", {row['step_ops']} calls (+ {row['copies']} copy)"
+                                    + ("" if row.get("calls_constant", True) else
                                                                    " (not the same at every batch)"),
                         "met": row["met_us"] and row["met_calls"] and row.get("calls_constant", True)})
     tp = results.get("transport")
