@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_step_capture import LAYERS, Step, assert_matches, finish, make_core, read, ring  # noqa: F401 (a fixture)
+from test_step_capture import LAYERS, Step, assert_matches, finish, make_core, read
 from vllm_tap.hooks.capture_core import CaptureCore, RankPlace
 from vllm_tap.hooks.publisher import HostBackend, Publisher, StagedPublisher
 from vllm_tap.hooks.steady_step import SteadyStep

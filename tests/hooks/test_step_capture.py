@@ -27,7 +27,6 @@ from vllm_tap.hooks.reductions import topk_rows
 from vllm_tap.hooks.publisher import HostBackend, Publisher, StagedPublisher, StagingRing
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
 from vllm_tap.ring_reader import RingReader
-from vllm_tap.ring_writer import RingWriter
 from vllm_tap.ring_format import RecordKind
 from vllm_tap.spec import CaptureSpec, DTypeMode, LogitsMode, PositionsMode
 
@@ -135,20 +134,6 @@ def assert_matches(got, want):
             assert sorted(got[rid][name]) == sorted(rows), (rid, name)
             for p, row in rows.items():
                 np.testing.assert_allclose(got[rid][name][p], row, rtol=0, atol=1e-5, err_msg=f"{rid} {name} {p}")
-
-
-@pytest.fixture
-def ring(shm):
-    writers = []
-
-    def make(capacity=1 << 20):
-        w = RingWriter(f"{shm}/inst/rank-00000.ring", capacity, wake_daemon=False)
-        writers.append(w)
-        return w
-
-    yield make
-    for w in writers:
-        w.close(unlink=True)
 
 
 def make_core(writer, staged=False, place=RankPlace(stage_layers=(LAYERS,)), staging=1 << 20,
