@@ -40,6 +40,15 @@ def spread(values: Iterable[float]) -> tuple[float, float]:
     return (min(xs), max(xs)) if xs else (math.nan, math.nan)
 
 
+def save_figure(plt: Any, fig: Any, outdir: str, name: str) -> str:
+    """Lay out, write <outdir>/<name> and close a matplotlib figure; its path."""
+    fig.tight_layout()
+    path = os.path.join(outdir, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def loadavg() -> tuple[float, float, float]:
     try:
         return os.getloadavg()

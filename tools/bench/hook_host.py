@@ -371,11 +371,9 @@ def plot(plt: Any, res: dict[str, Any], outdir: str) -> str | None:
         if target:
             ax.axhline(target, color="red", ls="--", lw=1, label=f"target {target:.0f} µs")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(outdir, "hook_host.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    from vllm_tap.tools.bench import save_figure
+
+    return save_figure(plt, fig, outdir, "hook_host.png")
 
 
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "--child":
