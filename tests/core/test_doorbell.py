@@ -16,7 +16,7 @@ from vllm_tap.ring_writer import RingWriter
 
 
 def test_a_commit_rings_the_doorbell_only_while_the_reader_waits(shm_dir):
-    """Issue 16: a busy daemon is not rung (a commit then costs no system call); one that raised its
+    """A busy daemon is not rung (a commit then costs no system call); one that raised its
     waiting flag before blocking is rung once, by the first commit, which lowers the flag."""
     os.makedirs(shm_dir, exist_ok=True)
     bell = Doorbell.bind(shm_dir)

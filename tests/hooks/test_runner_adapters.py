@@ -423,7 +423,7 @@ def test_each_adapter_captures_the_raw_rows_the_model_computed(shm, kind):
 @pytest.mark.parametrize("nobody", [False, True], ids=["some-capture", "nobody-captures"])
 @pytest.mark.parametrize("kind", ["v1", "v2"])
 def test_requests_that_do_not_capture_cost_the_step_hook_nothing(shm, kind, nobody, monkeypatch):
-    """Issue 16: a step's hook does Python work only for the requests that capture. It never walks the
+    """A step's hook does Python work only for the requests that capture. It never walks the
     batch's request ids, looks up the batch row of capturing requests only (c never), and reads no
     spec (those are read once, when the runner admits a request). With nobody capturing it touches
     no request at all. Counted, not timed: a per-request loop would show as reads of c."""

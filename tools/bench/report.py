@@ -131,7 +131,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _small_targets(s: dict[str, Any], v: int) -> list[dict[str, Any]]:
-    """Issue 16's targets for the small preset."""
+    """The small preset's serving targets: output tok/s against (a) and (e), CPU per request."""
     out: list[dict[str, Any]] = []
     for c, limit in serving.TARGET_SMALL_TPUT.items():
         if c not in s:

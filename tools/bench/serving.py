@@ -156,7 +156,7 @@ class ServingParams:
 
     @classmethod
     def small(cls) -> "ServingParams":
-        """Issue 16's model: small enough that fixed costs per step, request and record dominate."""
+        """The small preset's model: small enough that fixed costs per step, request and record dominate."""
         return cls(model=ModelSpec(vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
                                    intermediate_size=1408),
                    vocab_sizes=[32000], configs=list("abthle"), extra_point_configs=[], num_requests=32,
