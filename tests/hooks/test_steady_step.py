@@ -127,10 +127,12 @@ def test_padded_tensors_and_bfloat16_read_back_exactly(ring, staged):
             core.close()
 
 
-def test_each_tensor_parallel_rank_writes_its_share_and_rank_0_the_top_k(shm):
-    """Under TP=2 both ranks write their half of the hidden states' last dimension; top-k (whole
-    rows) is rank 0's alone: rank 1's steady record holds the layer only."""
-    spec = CaptureSpec(logits=LogitsMode.TOPK, topk=3, layers=(2,))
+@pytest.mark.parametrize("logits", ["top-k", "full"])
+def test_each_tensor_parallel_rank_writes_its_share_and_rank_0_the_top_k(shm, logits):
+    """Under TP=2 both ranks write their half of the last dimension of the hidden states and of full
+    logits; top-k (whole rows) is rank 0's alone: rank 1's steady record then holds the layer only."""
+    spec = (CaptureSpec(logits=LogitsMode.TOPK, topk=3, layers=(2,)) if logits == "top-k"
+            else CaptureSpec(layers=(2,)))
     got = {}
     for tp_rank in (0, 1):
         writer = RingWriter(f"{shm}/inst/rank-{tp_rank:05d}.ring", 1 << 20, wake_daemon=False)
@@ -147,17 +149,21 @@ def test_each_tensor_parallel_rank_writes_its_share_and_rank_0_the_top_k(shm):
                 got[tp_rank] = sorted({(r.tensor.name, r.slice_start, r.slice_stop) for r in recs})
                 for r in recs:
                     i = st.req_ids.index(r.request_id)
-                    if r.tensor.name == "hidden.2":
-                        want = st.aux[0][i, r.slice_start:r.slice_stop].numpy()
-                        np.testing.assert_array_equal(r.data[0], want)
+                    full = {"hidden.2": st.aux[0], "logits": st.logits}.get(r.tensor.name)
+                    if full is not None:
+                        np.testing.assert_array_equal(r.data[0], full[i, r.slice_start:r.slice_stop].numpy())
             assert core._decode.steady is not None
         finally:
             reader.close()
             core.close()
             writer.close(unlink=True)
-    half = 32 // 2
-    assert got[0] == [("hidden.2", 0, half), ("logsumexp", 0, 1), ("topk_ids", 0, 3), ("topk_values", 0, 3)]
-    assert got[1] == [("hidden.2", half, 32)]
+    half, vhalf = 32 // 2, 50 // 2
+    if logits == "top-k":
+        assert got[0] == [("hidden.2", 0, half), ("logsumexp", 0, 1), ("topk_ids", 0, 3), ("topk_values", 0, 3)]
+        assert got[1] == [("hidden.2", half, 32)]
+    else:
+        assert got[0] == [("hidden.2", 0, half), ("logits", 0, vhalf)]
+        assert got[1] == [("hidden.2", half, 32), ("logits", vhalf, 50)]
 
 
 def test_states_now_logits_later_once_the_logits_width_is_known(ring):
