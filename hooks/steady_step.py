@@ -87,7 +87,7 @@ class SteadyRecord:
     the batch cannot take the steady way (then the general path writes its steps)."""
 
     __slots__ = ("core", "fixed", "table", "block", "n", "whole", "rows_dev", "states", "logits_fill", "topk",
-                 "vocab", "logits_dtype", "buffers", "tids", "wants_logits", "device_ids")
+                 "vocab", "logits_dtype", "tids", "wants_logits", "device_ids")
 
     @classmethod
     def build(cls, core: Core, table: RequestTable, by_part: list, block: np.ndarray, batch_rows: np.ndarray,
@@ -118,7 +118,6 @@ class SteadyRecord:
                 sections.append(section(hidden_id(p.layer), stored_dtype(src, p.to_f32), sl, full))
         rec.logits_fill = rec.topk = None
         rec.vocab = rec.logits_dtype = None
-        rec.buffers = ()
         derive = None
         for p in logit_parts:
             rec.vocab, rec.logits_dtype = vocab, ldtype
@@ -144,7 +143,6 @@ class SteadyRecord:
             sections.append(section(LSE_ID, torch.float32, (0, 1), 1))
             lse_at = len(sections)
             rec.topk = (k, at, direct, chosen, lse_at, ids, ids[:, :1], values, None if direct else values[:, :1])
-            rec.buffers = (ids, values)
             if direct:
                 derive = (lambda dests, v=at + 1: dests[v][:, :1])  # the values' first column, per block
         nbytes = n * sum(sec[2] * sec[5].itemsize for sec in sections)
