@@ -217,7 +217,6 @@ class WatchState:
         self.last_seq: int | None = since
         self.accepted: dict[str, Any] | None = None  # the daemon's `watching` answer
         self.done = False
-        self.stops = 0  # times the daemon said it was stopping (the watch went on each time)
         self._stopped: str | None = None  # the reason of a stop no daemon has answered since
         self._heard = 0.0
         self._sent = 0.0
@@ -333,7 +332,6 @@ class WatchState:
                     self.endpoint, reason, self.last_seq)
         self._cur_seq = self._cur_begin = self._cur = None  # a half-received capture: the next daemon decides
         self._stopped = reason
-        self.stops += 1
         if self.watermarks and self.last_seq is not None:
             return [DaemonStopping(self.last_seq, reason)]
         return []
