@@ -180,10 +180,12 @@ def record(dest: str, writer: str | None, file_format: str, compression: str, te
            storage_option: tuple[str, ...], endpoint: str | None, quiet: bool) -> None:
     """Record every capture the daemon streams into rolling shards under DEST (a directory or an
     fsspec URL such as s3://bucket/prefix). Stop with Ctrl-C or SIGTERM: the open shard is committed.
-    A restart with the same DEST and writer resumes after the last committed capture."""
+    A restart with the same DEST and writer resumes after the last committed capture. When the daemon
+    stops, what is held is committed and recording goes on with the next daemon; when none answers
+    for a minute, it exits non-zero (what was received is committed)."""
     from vllm_tap.client import Client, TapError
     from vllm_tap.client.datasets.recorder import (
-        Limits, Progress, RecordOptions, Recorder, RecorderError, install_stop_signals, run_recorder,
+        Limits, Progress, RecordOptions, Recorder, RecorderError, StreamFailed, install_stop_signals, run_recorder,
     )
 
     if not logging.getLogger().handlers:
@@ -223,10 +225,11 @@ def record(dest: str, writer: str | None, file_format: str, compression: str, te
     except RecorderError as e:
         stop.set()
         raise click.ClickException(str(e)) from None
-    except TapError as e:
+    except StreamFailed as e:
         stop.set()
-        rec.abort()
-        raise click.ClickException(f"the watch stream failed: {e}") from None
+        assert rec.core is not None
+        raise click.ClickException(f"the watch stream failed: {e}; what was received is committed (last committed "
+                                   f"seq {rec.core.manifest.committed_seq}), a restart resumes after it") from None
     finally:
         stop.set()
         close = getattr(watch, "close", None)

@@ -28,8 +28,8 @@ from vllm_tap.client.records import Capture, CaptureBegin, CaptureEnd, Chunk, Ga
 from vllm_tap.client.stream import ENDPOINT_ENV, resolve_endpoint
 from vllm_tap.client.sync import Client, Subscription
 from vllm_tap.client.watch import (
-    AsyncWatch, LostCaptures, Watch, WatchData, WatchedCapture, WatchEnd, Watermark, WatchItem, WatchRejected,
-    WatchStart,
+    AsyncWatch, DaemonStopping, LostCaptures, Watch, WatchData, WatchedCapture, WatchEnd, Watermark, WatchItem,
+    WatchRejected, WatchStart,
 )
 
 
@@ -51,6 +51,6 @@ __all__ = [
     "ProtocolError", "Refused", "Subscription", "TapError", "TokenRecord", "TooSlow", "fetch", "resolve_endpoint", "status",
     "subscribe",
     # watch: every capture, resumable (vllm_tap.client.watch)
-    "AsyncWatch", "LostCaptures", "Watch", "WatchData", "WatchEnd", "WatchItem", "WatchRejected", "WatchStart",
+    "AsyncWatch", "DaemonStopping", "LostCaptures", "Watch", "WatchData", "WatchEnd", "WatchItem", "WatchRejected", "WatchStart",
     "WatchedCapture", "Watermark",
 ]

@@ -30,7 +30,8 @@ class DaemonUnavailable(TapError, ConnectionError):
 
 
 class DaemonStopped(DaemonUnavailable):
-    """The daemon said it is stopping; the message is its reason."""
+    """The daemon said it is stopping and no other came back within the timeout; the message is its
+    reason. (Subscriptions and watches wait for the next daemon first: a restart is ridden through.)"""
 
 
 class TooSlow(TapError):

@@ -1,9 +1,9 @@
 """One subscription's protocol state, without IO (shared by the blocking and the asyncio client).
 
 The daemon sends each position once, as data or as a gap, in order. Resuming after silence (the
-daemon may have restarted) resends the subscription from the next expected position; whatever
-then comes twice is dropped here, and whatever never comes becomes a Gap here, so the caller
-sees every position exactly once either way.
+daemon may have restarted) or after the daemon said it is stopping (a graceful restart) resends the
+subscription from the next expected position; whatever then comes twice is dropped here, and
+whatever never comes becomes a Gap here, so the caller sees every position exactly once either way.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from vllm_tap.defaults import default_endpoint
 
 from vllm_tap.client.arena import OVERWRITTEN, ArenaUse
 from vllm_tap.client.errors import (
-    CaptureLost, CaptureNotFound, CaptureTimeout, DaemonUnavailable, ProtocolError, Refused, error_for,
+    CaptureLost, CaptureNotFound, CaptureTimeout, DaemonStopped, DaemonUnavailable, ProtocolError, Refused, error_for,
 )
 from vllm_tap.client.records import CaptureBegin, CaptureEnd, Chunk, Gap, widen
 
@@ -131,6 +131,7 @@ class StreamState:
         self.next_position: int | None = None
         self.lost = PositionRanges()  # positions the client noticed never arrived
         self.done = False
+        self._stopped: str | None = None  # the reason of a stop no daemon has answered since
         self._t0 = 0.0
         self._heard = 0.0
 
@@ -176,6 +177,9 @@ class StreamState:
         # The daemon is asked to answer by `limit` (below); its answer gets one heartbeat to arrive
         # before silence means it is gone (else a restarted daemon's "not found" loses the race).
         if silent > limit + self.heartbeat_s:
+            if self._stopped is not None:
+                raise DaemonStopped(f"daemon stopped: {self._stopped}; no daemon answered at {self.endpoint} in the "
+                                    f"{silent:.1f} s since, while streaming {what} (next position {self.next_position})")
             raise DaemonUnavailable(
                 f"lost contact with the daemon at {self.endpoint} for {silent:.1f} s while streaming "
                 f"{what} (next position {self.next_position})"
@@ -184,7 +188,10 @@ class StreamState:
         # restarted daemon that never sees this capture again says so once that time is up.
         return self._subscribe(limit - silent)
 
-    def _not_found(self, waited: float) -> CaptureNotFound:
+    def _not_found(self, waited: float) -> CaptureNotFound | DaemonStopped:
+        if self._stopped is not None:
+            return DaemonStopped(f"daemon stopped: {self._stopped}; no daemon answered at {self.endpoint} since, and "
+                                 f"no capture named {self._what()} appeared within {waited:g} s")
         return CaptureNotFound(f"no capture named {self._what()} within {waited:g} s (and no answer from a daemon "
                                f"at {self.endpoint}: is `vllm-tap daemon` running?)")
 
@@ -208,6 +215,15 @@ class StreamState:
             return []  # an answer to a previous subscription on this socket
         self._heard = now
         t = h[wf.K_TYPE]
+        if t == wf.ERROR and h.get("code") == wf.E_STOPPING:
+            # A graceful stop is ridden through like a crash: the subscription is resent from the
+            # next position once the silence limit passes, to whichever daemon answers (the next
+            # one continues the captures in flight that this one handed over).
+            self._stopped = str(h.get("message", ""))
+            log.warning("the daemon at %s is stopping (%s): %s goes on from position %s with the next daemon",
+                        self.endpoint, self._stopped, self._what(), self.next_position)
+            return []
+        self._stopped = None
         if t == wf.ERROR:
             self.done = True
             code, message = h.get("code", ""), h.get("message", "")

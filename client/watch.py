@@ -28,7 +28,11 @@ Rules (the daemon side, daemon/watch.py, keeps the same ones):
   filtered out: persist it after storing what was yielded, and pass it as `since` after a restart.
 - If the daemon goes silent (it sends a watermark every second when idle), the watch is resent with
   since=last_seq; a restarted daemon answers with LostCaptures for what its predecessor held.
-  DaemonUnavailable after `timeout` seconds without contact.
+  A daemon that says it is stopping (SIGTERM, `systemctl restart`) is treated the same way: the watch
+  waits for the next daemon and resends itself, so a graceful restart and a crash look alike to the
+  caller; with watermarks=True the stop is yielded as a DaemonStopping item (a Watermark: every
+  capture up to its seq was handled), the moment to persist what is held, since the captures the
+  stopping daemon retains go with it. DaemonUnavailable after `timeout` seconds without contact.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from vllm_tap import wire_format as wf
 from vllm_tap.positions import PositionRanges
 
 from vllm_tap.client.arena import OVERWRITTEN, ArenaUse
-from vllm_tap.client.errors import DaemonUnavailable, ProtocolError, TapError, error_for
+from vllm_tap.client.errors import DaemonStopped, DaemonUnavailable, ProtocolError, TapError, error_for
 from vllm_tap.client.records import Capture, CaptureBegin, CaptureBuilder, CaptureEnd, Chunk, Gap
 from vllm_tap.client.stream import decode_begin, decode_chunk, decode_end
 
@@ -168,6 +172,14 @@ class Watermark:
     seq: int
 
 
+@dataclass(frozen=True)
+class DaemonStopping(Watermark):
+    """The daemon said it is stopping (`reason`); the watch goes on with the next daemon, from `seq`.
+    What the stopping daemon retains goes with it: persist what is held (watermarks=True)."""
+
+    reason: str = ""
+
+
 WatchItem = Union[WatchedCapture, WatchStart, WatchData, WatchEnd, LostCaptures, Watermark]
 
 
@@ -205,6 +217,7 @@ class WatchState:
         self.last_seq: int | None = since
         self.accepted: dict[str, Any] | None = None  # the daemon's `watching` answer
         self.done = False
+        self._stopped: str | None = None  # the reason of a stop no daemon has answered since
         self._heard = 0.0
         self._sent = 0.0
         # whole mode: the capture being received
@@ -233,6 +246,9 @@ class WatchState:
     def on_silence(self, now: float) -> list[bytes] | None:
         """Frames to send after a quiet spell (None: keep waiting); raises once contact is lost for good."""
         if now - self._heard > self.timeout:
+            if self._stopped is not None:
+                raise DaemonStopped(f"daemon stopped: {self._stopped}; no daemon answered at {self.endpoint} in the "
+                                    f"{now - self._heard:.0f} s since (last seq {self.last_seq})")
             raise DaemonUnavailable(
                 f"no word from the daemon at {self.endpoint} for {now - self._heard:.0f} s while watching "
                 f"(last seq {self.last_seq}); is `vllm-tap daemon` running?")
@@ -253,8 +269,12 @@ class WatchState:
         self._heard = now
         t = h[wf.K_TYPE]
         if t == wf.ERROR:
-            self.done = True
             code, message = h.get("code", ""), h.get("message", "")
+            if code == wf.E_STOPPING:
+                return self._stopping(message)
+        self._stopped = None
+        if t == wf.ERROR:
+            self.done = True
             if code in _REJECTED:
                 raise WatchRejected(message)
             raise error_for(code, message)
@@ -304,6 +324,17 @@ class WatchState:
                 end = dataclasses.replace(end, missing_positions=end.missing_positions.union(lost))
             return self._on_end(seq, end)
         raise ProtocolError(f"unexpected message type {t!r} from the daemon")
+
+    def _stopping(self, reason: str) -> list[WatchItem]:
+        """The daemon stops: wait for the next one as after a crash (on_silence resends the watch
+        once the silence limit passes; `timeout` counts from now)."""
+        log.warning("the daemon at %s is stopping (%s): the watch goes on from seq %s with the next daemon",
+                    self.endpoint, reason, self.last_seq)
+        self._cur_seq = self._cur_begin = self._cur = None  # a half-received capture: the next daemon decides
+        self._stopped = reason
+        if self.watermarks and self.last_seq is not None:
+            return [DaemonStopping(self.last_seq, reason)]
+        return []
 
     def _advance(self, first: int, last: int | None = None) -> None:
         """Captures first..last are handled; move last_seq over every handled capture that follows it."""

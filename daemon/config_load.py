@@ -376,11 +376,13 @@ def _human(key: str, value: Any) -> str:
 def markdown_table() -> str:
     """The configuration table in docs/operate.md, so the documentation cannot drift from the code."""
     defaults = DaemonConfig()
-    rows = ["| key | environment | default | meaning |", "|---|---|---|---|"]
+    rows = ["| key | environment | flag | default | meaning |", "|---|---|---|---|---|"]
     for f in dataclasses.fields(DaemonConfig):
         default = getattr(defaults, f.name)
         shown = f"`{_human(f.name, default)}`"
-        rows.append(f"| `{f.name}` | `{env_var(f.name)}` | {shown} | {DOCS.get(f.name, '')} |")
+        flag = flag_name(f.name)
+        flag = f"`{flag}` / `--no-{flag[2:]}`" if f.type in (bool, "bool") else f"`{flag}`"
+        rows.append(f"| `{f.name}` | `{env_var(f.name)}` | {flag} | {shown} | {DOCS.get(f.name, '')} |")
     return "\n".join(rows)
 
 

@@ -15,6 +15,8 @@ import logging
 import sys
 from typing import Callable
 
+from vllm_tap.hooks.vllm_logging import log_like_vllm
+
 log = logging.getLogger("vllm_tap.hooks")
 
 # Module name -> function applied to the module right after it has executed.
@@ -76,22 +78,10 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
-def _log_like_vllm() -> None:
-    """The tap's lines go where vLLM's go, in its format and at its level (vLLM configures only its
-    own logger; ours would otherwise fall to Python's last-resort handler, warnings only), so an
-    operator sees the ring each worker opened and the hook's cost per interval in vLLM's log."""
-    theirs, ours = logging.getLogger("vllm"), logging.getLogger("vllm_tap")
-    if theirs.handlers and not ours.handlers:
-        for h in theirs.handlers:
-            ours.addHandler(h)
-        ours.setLevel(theirs.level)
-        ours.propagate = False
-
-
 def register() -> None:
     if _PATCHES:
         return
-    _log_like_vllm()
+    log_like_vllm()
     _PATCHES.update(_patch_targets())
     for name in list(_PATCHES):
         mod = sys.modules.get(name)

@@ -11,7 +11,7 @@ worker has loaded the model:
   - the rings are reserved whole when created (RingWriter), so the shm directory's file system
     must have room for all of them: one ring of `ring_bytes` per worker rank of every engine
     started here, plus each engine's control ring. When ring_bytes is not set, it is sized here
-    first, from the model and bounded by the free space (hooks/ring_size.py).
+    first, from what the server can capture and bounded by the free space (hooks/ring_size.py).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import logging
 
 from vllm_tap.hooks import preflight, support
 from vllm_tap.hooks.settings import TapConfigError, server_config
+from vllm_tap.hooks.vllm_logging import log_like_vllm
 from vllm_tap.spec import SERVER_CONFIG_KEY
 
 log = logging.getLogger("vllm_tap.hooks")
@@ -38,6 +39,7 @@ def patch_module(module) -> None:
                 raise
         config = orig(self, *args, **kwargs)
         if wants_tap:
+            log_like_vllm()  # the API server configures vLLM's logging after the plugin loaded
             try:
                 cfg = server_config(config)
                 if cfg is not None:

@@ -368,7 +368,7 @@ class ServerCaptureConfig:
     group: str | None = None
     block_timeout_s: float = 0.0  # >0: wait up to this long for ring space instead of dropping
     policy: CapturePolicy | None = None
-    # ring_bytes was not set: the API process sizes the rings from the model (hooks/ring_size.py)
+    # ring_bytes was not set: the API process sizes the rings from what it can capture (hooks/ring_size.py)
     # and writes the size back into the settings, so every process opens rings of one size.
     ring_auto: bool = False
     steps_per_s: float = DEFAULT_STEPS_PER_S  # decode steps a second the operator expects (ring sizing)

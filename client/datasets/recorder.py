@@ -352,12 +352,16 @@ class Recorder:
         assert self.core is not None
         self._do(self.core.tick())
 
+    def commit(self) -> None:
+        """Seal and commit the open shards and write the manifest now; recording goes on in new ones."""
+        if self.core is not None:
+            self._do(self.core.finish())
+            self._do(self.core.finish_manifest())
+
     def close(self) -> None:
         """Seal and commit the open shard, write the last manifest, release the lock."""
         try:
-            if self.core is not None:
-                self._do(self.core.finish())
-                self._do(self.core.finish_manifest())
+            self.commit()
         finally:
             self._unlock()
 
@@ -433,9 +437,19 @@ def _item_kind(item: Any) -> str:
         return "lost"
     if hasattr(item, "seq") and hasattr(item, "capture"):
         return "capture"
+    if type(item).__name__ == "DaemonStopping":
+        return "daemon stopping"
     if type(item).__name__ == "Watermark":
         return "watermark"
     return "other"
+
+
+class StreamFailed(Exception):
+    """The watch stream raised `cause`; what the recorder held was committed first."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 def _gaps_of(item: Any) -> list[tuple[int, int, str]] | None:
@@ -492,6 +506,8 @@ def run_recorder(rec: Recorder, items: Iterable[Any], limits: Limits, *, progres
                  head_seq: Callable[[], int | None] = lambda: None, stop: threading.Event | None = None) -> str:
     """Feed a watch stream into `rec` until a limit, `stop`, or the end of `items`; commit what is
     open and return why it stopped. `items` may yield None when idle (lets ticks and stop run).
+    A DaemonStopping item commits what is held and goes on; an error from `items` commits what is
+    held and raises StreamFailed.
     Watermarks must come in the stream (watch(..., watermarks=True)), in order with the captures:
     a watermark read from the side could pass captures still queued."""
     assert rec.core is not None
@@ -499,8 +515,19 @@ def run_recorder(rec: Recorder, items: Iterable[Any], limits: Limits, *, progres
     stop = stop or threading.Event()
     why = "the stream ended"
     stopping = False
+    stream = iter(items)
     try:
-        for item in items:
+        while True:
+            try:
+                item = next(stream)
+            except StopIteration:
+                break
+            except Exception as e:
+                # The stream broke (no daemon answered for the watch's timeout, say): everything
+                # fed so far is whole and in order, so it is committed rather than re-recorded from
+                # a daemon that may no longer hold it.
+                rec.close()
+                raise StreamFailed(e) from e
             if item is None and stopping:
                 break  # what was already received is in; commit it
             if item is not None:
@@ -511,6 +538,13 @@ def run_recorder(rec: Recorder, items: Iterable[Any], limits: Limits, *, progres
                     rec.feed_lost(item.first, item.last, item.reason)
                 elif kind == "watermark":
                     rec.feed_watermark(item.seq)
+                elif kind == "daemon stopping":
+                    # The captures the stopping daemon retains go with it: a recorder restarted
+                    # later could not record them again, so what is held is committed now.
+                    rec.feed_watermark(item.seq)
+                    rec.commit()
+                    log.info("the daemon is stopping (%s): committed up to seq %d; waiting for the next daemon",
+                             item.reason, rec.core.manifest.committed_seq)
             rec.tick()
             if progress is not None:
                 progress.update(rec, head_seq())
@@ -527,7 +561,7 @@ def run_recorder(rec: Recorder, items: Iterable[Any], limits: Limits, *, progres
             if stop.is_set() and not stopping:
                 why = "stopped"
                 stopping = True  # take in what is already queued here, then stop
-    except RecorderError:
+    except (RecorderError, StreamFailed):
         raise
     except BaseException:
         rec.abort()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_tap import wire_format as wf
-from vllm_tap.client import CaptureLost, DaemonUnavailable
+from vllm_tap.client import CaptureLost, DaemonStopped, DaemonUnavailable
 from vllm_tap.client.stream import StreamState
 
 HB = 0.5
@@ -43,3 +43,31 @@ def test_silence_past_the_limit_and_one_heartbeat_is_an_unavailable_daemon():
     st.on_silence(4.0 + HB - 0.01)
     with pytest.raises(DaemonUnavailable):
         st.on_silence(4.0 + HB + 0.01)
+
+
+def test_a_daemon_that_says_it_stops_is_waited_for_like_a_silent_one():
+    """E_STOPPING (a graceful stop) ends nothing: the subscription is resent from the next position,
+    and only when no daemon answers within the limit is it an error, naming the stop's reason."""
+    st = _streaming(timeout=4.0)
+    assert st.on_frames(wf.error_frames(wf.E_STOPPING, "daemon stopping (SIGTERM)", st.sub_id), 1.0) == []
+    assert not st.done
+    resent = wf.parse_request(st.on_silence(1.0 + HB))
+    assert resent.from_position == st.next_position == 0
+    with pytest.raises(DaemonStopped, match="SIGTERM"):
+        st.on_silence(1.0 + 4.0 + HB + 0.01)
+
+
+def test_a_watch_rides_through_a_stop_and_tells_a_caller_that_persists_at_watermarks():
+    from vllm_tap.client.watch import DaemonStopping, watch_state
+
+    st = watch_state("ipc:///nowhere", 5, instance=None, source=None, tap_key_prefix=None, model=None, whole=True,
+                     watermarks=True, timeout=10.0, heartbeat_s=HB)
+    st.request(0.0)
+    assert st.on_frames([wf.pack(wf.WATCHING, st.sub_id, since=5, oldest=1, next=9, run_first=1, arena=None)], 0.0) == []
+    items = st.on_frames(wf.error_frames(wf.E_STOPPING, "daemon stopping (SIGTERM)", st.sub_id), 1.0)
+    assert items == [DaemonStopping(5, "daemon stopping (SIGTERM)")] and not st.done
+    assert st.on_silence(1.0 + 3 * HB - 0.01) is None
+    again = wf.parse_request(st.on_silence(1.0 + 3 * HB))  # the same watch, from the same seq
+    assert again.since == 5
+    with pytest.raises(DaemonStopped, match="SIGTERM"):
+        st.on_silence(11.01)

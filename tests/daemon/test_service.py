@@ -136,7 +136,7 @@ def test_every_key_is_documented_and_in_the_example_config():
         cfg = load_config(f.name, {}, {})
     for key in keys:
         assert re.search(rf"(?m)^#?{key} = ", example), f"{key} missing from systemd/config.toml"
-    assert dataclasses.replace(cfg, metrics_addr="") == DaemonConfig()
+    assert cfg == DaemonConfig()  # the example says its values are the defaults
 
 
 def test_click_options_feed_load_config(tmp_path):
@@ -473,11 +473,21 @@ def unit_dir(tmp_path) -> Path:
     dropin = (SYSTEMD / "vllm-serve-with-tap.conf").read_text()
     assert "/usr/local/bin/vllm serve" in dropin
     (tmp_path / "vllm.service.d" / "vllm-tap.conf").write_text(dropin.replace("/usr/local/bin/vllm serve", "/bin/echo serve"))
+    (tmp_path / RECORDER).write_text((SYSTEMD / RECORDER).read_text().replace("/usr/local/bin/vllm-tap", cli))
     return tmp_path
 
 
+RECORDER = "vllm-tap-record@.service"
+
+
+def _settings(text: str) -> dict[str, str]:
+    """A unit's settings (the last of each key), comments left out."""
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#"))
+
+
 @pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze not installed (apt-get install systemd)")
-@pytest.mark.parametrize("unit", ["vllm-tap.service", "vllm-tap@demo.service", "vllm.service"])
+@pytest.mark.parametrize("unit", ["vllm-tap.service", "vllm-tap@demo.service", "vllm.service",
+                                  "vllm-tap-record@demo.service"])
 def test_systemd_analyze_verify(unit_dir, unit):
     # Units are looked up in unit_dir (drop-ins and templates included); verify exits 0 on mere
     # warnings such as unknown keys, so any complaint about our files fails the test too.
@@ -514,6 +524,46 @@ def test_units_keep_the_rings_and_the_contract():
         assert settings["StateDirectory"].startswith("vllm-tap")  # the sequence counter outlives restarts
 
 
+def test_the_recorder_unit_reads_as_a_reader_after_the_daemon_and_never_gives_up():
+    text = (SYSTEMD / RECORDER).read_text()
+    s = _settings(text)
+    assert s["Restart"] == "always" and s["StartLimitIntervalSec"] == "0"
+    assert "vllm-tap.service" in s["After"] and s["Wants"]  # ordered after the daemon
+    assert s["SupplementaryGroups"].split() == ["vllm-tap-readers"]  # a reader: never the rings' group
+    assert s["User"] == "vllm-tap-record" and "RemoveIPC" not in s
+    # SIGTERM commits and uploads the open shards: the stop timeout leaves minutes for it
+    assert s["TimeoutStopSec"].endswith("min") and int(s["TimeoutStopSec"][:-3]) >= 10
+    # A fixed writer name (host and instance), so a restart resumes its own manifest; the daemon's socket.
+    argv = s["ExecStart"].split()
+    assert argv[1:3] == ["record", "${DEST}"] and argv[argv.index("--writer") + 1] == "%H-%i"
+    assert "VLLM_TAP_ENDPOINT=ipc:///run/vllm-tap/tap.sock" in s["Environment"]
+    assert s["EnvironmentFile"] == "/etc/vllm-tap/record-%i.env"
+    # the account it runs as exists, in the readers' group only
+    users = (SYSTEMD / "sysusers.d" / "vllm-tap.conf").read_text().splitlines()
+    assert "u vllm-tap-record - \"vllm-tap recorder\" /var/lib/vllm-tap-record /usr/sbin/nologin" in users
+    assert [x for x in users if x.startswith("m vllm-tap-record ")] == ["m vllm-tap-record vllm-tap-readers"]
+
+
+def test_the_vllm_drop_in_is_a_configuration_vllm_would_start_with():
+    """The GPU example's --additional-config parses as tap settings for its model (Llama 3.1 8B: 32
+    layers, vocabulary 128256): group, exposed layer, ring size and a policy that alone captures."""
+    import json
+    import shlex
+
+    from vllm_tap.spec import ServerCaptureConfig
+
+    s = _settings((SYSTEMD / "vllm-serve-with-tap.conf").read_text())
+    argv = shlex.split(s["ExecStart"])
+    assert argv[:3] == ["/usr/local/bin/vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct"]
+    additional = json.loads(argv[argv.index("--additional-config") + 1])
+    cfg = ServerCaptureConfig.from_additional_config(additional, num_layers=32, vocab_size=128256)
+    assert cfg is not None and cfg.group == "vllm-tap-rings" and cfg.layers == (16,)
+    assert cfg.ring_bytes == 256 << 20 and not cfg.ring_auto
+    assert cfg.policy is not None and cfg.policy.share == 0.05 and cfg.policy.client == "refused"
+    assert cfg.policy.spec.layers == (16,) and cfg.policy.spec.logits.value == "none"
+    assert s["SupplementaryGroups"] == "vllm-tap-rings" and s["RemoveIPC"] == "no"
+
+
 @pytest.mark.skipif(shutil.which("systemd-sysusers") is None, reason="systemd-sysusers not installed")
 def test_sysusers_and_tmpfiles_apply_to_a_scratch_root(tmp_path):
     (tmp_path / "etc").mkdir()
@@ -528,7 +578,8 @@ def test_sysusers_and_tmpfiles_apply_to_a_scratch_root(tmp_path):
     uid = int(re.search(r"^vllm-tap:x:(\d+):", passwd, re.M).group(1))
     rings = re.search(r"^vllm-tap-rings:x:(\d+):(.*)$", group, re.M)
     readers = re.search(r"^vllm-tap-readers:x:(\d+):(.*)$", group, re.M)
-    assert rings.group(2).split(",") == ["vllm-tap"] and readers.group(2).split(",") == ["vllm-tap"]
+    assert rings.group(2).split(",") == ["vllm-tap"]
+    assert sorted(readers.group(2).split(",")) == ["vllm-tap", "vllm-tap-record"]
     st = (tmp_path / "dev" / "shm" / "vllm-tap").stat()
     assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o2770, uid, int(rings.group(1)))
     st = (tmp_path / "dev" / "shm" / "vllm-tap.arena").stat()

@@ -260,7 +260,8 @@ def test_a_request_aborted_by_its_client_ends_with_reason_abort(stack):
 def test_rings_the_operator_did_not_size_are_sized_once_and_opened_at_that_size(stack):
     """No ring_bytes in the settings: the API process sizes the rings from the model and hands the
     size on in vLLM's config; the worker opens its ring at that size (the tiny model's rings come out
-    at the minimum, not the fixed 256 MiB default a worker would fall back to) and says so in the log."""
+    at the minimum, not the fixed 256 MiB default a worker would fall back to) and says so in the log,
+    after the API process's one line saying the size and why."""
     import re
 
     from vllm_tap.hooks import ring_size
@@ -270,3 +271,7 @@ def test_rings_the_operator_did_not_size_are_sized_once_and_opened_at_that_size(
     with open(stack.server.log_path, errors="replace") as f:
         opened = re.findall(r"vllm-tap ring \S+ of (\d+) MiB", f.read())
     assert opened and all(int(n) << 20 == ring_size.MIN_RING_BYTES for n in opened), opened
+    with open(stack.server.log_path, errors="replace") as f:
+        sized = [line for line in f if "worker rings of" in line]
+    assert len(sized) == 1 and f"worker rings of {ring_size.MIN_RING_BYTES >> 20} MiB, the minimum" in sized[0], sized
+    assert "requests may opt in" in sized[0], sized
