@@ -261,3 +261,42 @@ def test_an_unusable_handover_is_one_logged_line_and_the_daemon_starts(daemon_fa
     assert not os.path.exists(os.path.join(state, "handover.msgpack"))
     lines = [x for x in d.log().splitlines() if "handover" in x]
     assert len(lines) == 1 and "ignored" in lines[0], lines
+
+
+# -- a capture's end waits for its data, however far behind the daemon is --
+
+
+def test_a_backlog_read_long_after_its_ends_arrives_whole_with_no_timeout(daemon_factory, shm_dir):
+    """Thousands of decode steps of full logits pile up while the daemon is stopped, then every
+    capture's END. Once it runs again the daemon reads the ENDs at once (the engine ring is small)
+    and the steps at its own pace, over many rounds (each ring is read READ_BUDGET_BYTES a round).
+    Every capture still arrives whole: its end waits until the worker ring is read up to where it
+    stood. A grace of 0 makes that the only wait, so the daemon reading fast cannot hide a capture
+    ending early. (Before: a capture ended end_grace_s after its END was read, and what the ring still
+    held of it became a `timeout` gap, then was discarded as late.)"""
+    from vllm_tap.daemon.rings import READ_BUDGET_BYTES
+    from vllm_tap.ring_records import TensorId
+    from vllm_tap.spec import CaptureSpec, LogitsMode, PositionsMode
+    from synthetic_writer import write_decode_backlog
+    from vllm_tap import ring_format as rf
+
+    d = daemon_factory(end_grace_s=0.0)
+    n, prompt, steps, vocab = 32, 4, 3000, 512
+    assert n * steps * vocab * 4 > 4 * READ_BUDGET_BYTES  # read over several rounds, long after the ENDs
+    spec = CaptureSpec(logits=LogitsMode.FULL, layers=(), positions=PositionsMode.OUTPUT).to_meta()
+    rids = [f"behind-{i}" for i in range(n)]
+    sections = ((TensorId(rf.TensorKind.LOGITS), rf.DType.FLOAT32, vocab, (0, vocab), vocab),)
+
+    def row(i: int, pos: int, section: int = 0) -> np.ndarray:
+        return (np.arange(vocab) * 0.25 + 1000 * int(pos) + 10_000_000 * i).astype(np.float32)
+
+    write_decode_backlog(shm_dir, d, rids, spec, prompt, steps, sections, row, ring_bytes=256 << 20)
+    c = d.client()
+    pos = np.arange(prompt - 1, prompt - 1 + steps)
+    for i, rid in enumerate(rids):
+        cap = c.fetch(rid, timeout=60)
+        assert cap.finish_reason == "length" and cap.missing_positions == [], (rid, cap.missing_positions.ranges[:3])
+        assert cap.positions.tolist() == pos.tolist() and cap.complete, rid
+        assert cap.arrays()["logits"].tobytes() == np.stack([row(i, p) for p in pos]).tobytes(), rid
+    s = d.status()
+    assert s["drops"]["missing_positions"] == 0 and s["reassembly"]["late_records"] == 0, s["reassembly"]
