@@ -17,7 +17,7 @@ import logging
 import os
 import select
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,7 @@ from vllm_tap.safe_paths import UnsafePath
 from vllm_tap.daemon import step_runs
 from vllm_tap.daemon.discovery import Candidate
 from vllm_tap.daemon.reassembly import RING_BROKEN, Reassembler
+from vllm_tap.daemon.ring_lag import RingLag
 
 log = logging.getLogger("vllm_tap.daemon.server")  # the daemon logs under one name, whichever side speaks
 
@@ -57,6 +58,7 @@ class OpenRing:
     pidfd: int | None = None
     exited_at_cursor: int | None = None  # where the ring was when its writer's pidfd said it exited
     sink_failures: int = 0  # reader.sink_failures already counted by the arena
+    lag: RingLag = field(default_factory=RingLag)  # how long its oldest unread byte has waited
 
     @property
     def path(self) -> str:
@@ -283,6 +285,7 @@ class RingSide:
             reader.read_ahead()  # the next large record copies while these are handled
         reasm = self._reassembler(ring.instance)
         now = time.monotonic()  # the read time: delivery latency is measured from here
+        ring.lag.observe(reader.read_cursor, reader.written, now)
         rejections = ring.reader.rejections
         n = len(recs) + len(rejections)
         c = self.counters

@@ -290,8 +290,26 @@ def test_a_backlog_read_long_after_its_ends_arrives_whole_with_no_timeout(daemon
     def row(i: int, pos: int, section: int = 0) -> np.ndarray:
         return (np.arange(vocab) * 0.25 + 1000 * int(pos) + 10_000_000 * i).astype(np.float32)
 
-    write_decode_backlog(shm_dir, d, rids, spec, prompt, steps, sections, row, ring_bytes=256 << 20)
     c = d.client()
+    c.status()  # connected before the stop: its next question is read in the daemon's first rounds after it
+    t0 = time.monotonic()
+    write_decode_backlog(shm_dir, d, rids, spec, prompt, steps, sections, row, ring_bytes=256 << 20)
+    took = time.monotonic() - t0
+    # Status says how far behind the daemon is, before it costs anything: bytes unread and how long
+    # the oldest has waited (since before the stop), and the captures that ended and wait for their data.
+    seen = []
+    for _ in range(20):  # 1 s at most: it is behind for longer
+        seen.append(c.status())
+        if seen[-1]["requests_waiting_for_rings"] == n:
+            break
+        time.sleep(0.05)  # the captures join a Barrier at a tick (every 50 ms) after their END is read
+    behind = [s for s in seen if s["pending_bytes"] > 0]
+    assert behind, "caught up before the first answer"
+    print(f"\nafter the stop: {behind[0]['pending_bytes'] >> 20} MiB unread, the oldest for "
+          f"{behind[0]['pending_s']:.2f} s (the stop took {took:.2f} s at most); "
+          f"{max(s['requests_waiting_for_rings'] for s in behind)} captures waiting for their rings")
+    assert all(0 < s["pending_s"] <= took + 5 for s in behind), [s["pending_s"] for s in behind]
+    assert any(s["requests_waiting_for_rings"] == n for s in behind), [s["requests_waiting_for_rings"] for s in behind]
     pos = np.arange(prompt - 1, prompt - 1 + steps)
     for i, rid in enumerate(rids):
         cap = c.fetch(rid, timeout=60)
@@ -300,3 +318,5 @@ def test_a_backlog_read_long_after_its_ends_arrives_whole_with_no_timeout(daemon
         assert cap.arrays()["logits"].tobytes() == np.stack([row(i, p) for p in pos]).tobytes(), rid
     s = d.status()
     assert s["drops"]["missing_positions"] == 0 and s["reassembly"]["late_records"] == 0, s["reassembly"]
+    assert not any(s["gap_positions"].values()) and s["requests_waiting_for_rings"] == 0
+    assert s["pending_bytes"] == 0 and s["pending_s"] == 0 and all(r["pending_s"] == 0 for r in s["rings"])
