@@ -41,8 +41,10 @@ Rules for what is expected and when a capture ends:
   got to then (the daemon reports each ring's write cursor as it polls, `ring_read`). Once the daemon
   has read every ring that far, nothing more of the capture can come (a writer commits a step's
   records before the engine ENDs it; the grace covers records committed a little later, a GPU's
-  copies), and what is missing becomes Gaps: `incomplete` where some rank's slices came and others
-  did not, `timeout` where nothing came. A capture whose END is lost (the LIVE rule) waits the same
+  copies), and what is missing becomes Gaps: `incomplete` for steps some of whose records came and
+  others did not (for a capture met half way after a restart, the other records of its first steps
+  went with the previous daemon: NOT_CAPTURED_PREVIOUS), holes below what came as ever, `timeout`
+  past everything that came. A capture whose END is lost (the LIVE rule) waits the same
   way before it ends `end lost`. Each ring is at most its capacity ahead of the daemon, and a ring
   that is closed (replaced, broken) stops counting (`ring_closed`), so every Barrier is passed.
 - Missing positions are kept as ranges, never as lists of positions: one far-off position costs
@@ -94,7 +96,7 @@ DROPPED = "dropped"  # the writer's ring was full
 INCOMPLETE = "incomplete"  # some rank's slice never arrived, or the slices did not tile the tensor
 NOT_CAPTURED = "not captured"  # never written (e.g. cached prefix)
 NOT_CAPTURED_PREVIOUS = "not captured: consumed by a previous daemon"  # read by the daemon before a restart
-TIMEOUT = "timeout"  # not in any ring when the daemon had read them up to where they were end_grace_s after the END
+TIMEOUT = "timeout"  # past all that came, and not in any ring read up to where it was end_grace_s after the END
 WRITER_GONE = "writer gone"  # the ring's writer died
 RING_BROKEN = "ring broken"  # the ring file changed under the daemon (truncated, grown): no longer read
 END_LOST = "end lost"  # the engine stopped naming the request in its LIVE records and no END came
@@ -723,9 +725,12 @@ class Reassembler:
             if req.inherited and not req.delivered and not req.groups and not req.ready:
                 self._finish(req, now, out, NOT_CAPTURED_PREVIOUS)  # its records went with a previous daemon
                 return
-            # Steps some ranks wrote and others did not: the slices that came are not enough.
-            self._fail_groups(req, list(req.groups.values()), INCOMPLETE)
-            self._finish(req, now, out, TIMEOUT)
+            self._fail_groups(req, list(req.groups.values()), _unfinished(req))
+            # Holes below what came are resolved as ever (never computed; a head a previous daemon
+            # read); what is left, past everything that came, is what nothing came for.
+            self._pump(req, now, out)
+            if self._requests.get(req.request_id) is req:
+                self._finish(req, now, out, TIMEOUT)
         elif req.lost_at is not None:
             self.stats["ends_lost"] += 1
             log.warning("request %s: no END, and the engine no longer lists it as capturing: ended", req.request_id)
@@ -1137,7 +1142,8 @@ class Reassembler:
         ranks = set(done.parts)
         stale = [g for g in req.groups.values()
                  if g.step < done.step and set(g.parts) <= ranks and len(ranks) >= g.expected_ranks]
-        self._fail_groups(req, stale, INCOMPLETE)
+        if stale:
+            self._fail_groups(req, stale, _unfinished(req))
 
     def _fail_groups(self, req: _Request, groups: list[_Group], reason: str) -> None:
         for g in groups:
@@ -1340,6 +1346,15 @@ def _tiles(t: np.ndarray, recs: list[RingRecord]) -> bool:
     step = t.dtype.itemsize
     return all(x.data is not None and x.data.shape[0] == t.shape[0] and x.data.strides == t.strides
                and x.data.dtype == t.dtype and _addr(x.data) == base + x.slice_start * step for x in recs)
+
+
+def _unfinished(req: _Request) -> str:
+    """Why steps of a capture that can no longer complete are missing. Some of their records came and
+    others never will: a rank's slice never arrived (`incomplete`), unless the capture was met half way
+    in a ring a previous daemon was reading and nothing was delivered yet. Then these are its first
+    steps, whose other records that daemon read before it stopped (a step's hidden states and its
+    logits are two records, a SIGKILL can fall between them)."""
+    return NOT_CAPTURED_PREVIOUS if req.inherited and not req.delivered else INCOMPLETE
 
 
 def _holding(req: _Request) -> bool:

@@ -775,3 +775,25 @@ def test_gap_positions_are_counted_by_reason_with_free_text_kept_out_of_the_name
                                                       "spec": CaptureSpec().to_meta()}, rank=0, ring=R0), end(5))
     assert r.gap_positions == {NOT_CAPTURED: 2, OVER_BUDGET: 1}
     assert r2.gap_positions == {"other": 5}
+
+
+def test_a_step_whose_other_record_a_previous_daemon_read_is_consumed_not_incomplete():
+    """A worker writes a step's hidden states and its logits as two records; a daemon killed between
+    reading them leaves the next daemon the second alone. Those positions went with the previous
+    daemon, whether a later step shows it at once or the capture's end does."""
+    hidden = TensorId(rf.TensorKind.HIDDEN, 0)
+    for later_step in (True, False):
+        r = plain(end_grace_s=1.0)
+        r.resumed_ring(R0)
+        ev = feed(r, data(3, [6], tensor=hidden, parts=2, start=0, source=R0), now=0.0)  # its logits went before
+        if later_step:
+            ev += feed(r, data(4, [7], parts=2, source=R0), data(4, [7], tensor=hidden, parts=2, source=R0))
+        ev += feed(r, end(8))
+        ev += r.tick(1.0)
+        got = [(p, reason) for ps, reason in gaps(ev) for p in ps]
+        assert got == [(p, NOT_CAPTURED_PREVIOUS) for p in range(7)] + ([] if later_step else [(7, TIMEOUT)]), got
+        assert delivered(ev) == ([7] if later_step else [])
+        assert INCOMPLETE not in r.gap_positions
+    r = plain()  # a capture this daemon saw begin: a step missing a record is `incomplete`
+    ev = feed(r, begin(), data(0, [0, 1], tensor=hidden, parts=2), data(1, [2], parts=2), data(1, [2], tensor=hidden, parts=2))
+    assert gaps(ev) == [([0, 1], INCOMPLETE)]
