@@ -103,7 +103,7 @@ def _matches_vllm(name: str, rows: dict[int, np.ndarray], response, prompt_len: 
 def test_captures_that_end_while_the_daemon_is_stopped_arrive_whole_with_traffic_flowing(stack):
     """16 captured requests of 480 tokens run to their end while the daemon is stopped; it resumes
     with 16 more captured requests running. It reads the 16 ENDs at once and the worker ring's
-    backlog over several rounds (more than READ_BUDGET_BYTES): every capture, old and new, is
+    backlog over more than one round (READ_BUDGET_BYTES a round): every capture, old and new, is
     complete and equal to vLLM's logprobs. (Before: a capture ended end_grace_s after its END was
     read, and what the ring still held of it came as a `timeout` gap.)"""
     _sync(stack)
