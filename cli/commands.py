@@ -235,11 +235,12 @@ def _status_text(s: dict[str, Any]) -> str:
     rings = s["rings"]
     if rings:
         lines.append(f"{'RING':<40} {'RANK':>5} {'WRITER':>8} {'ALIVE':>5} {'CAPACITY':>10} {'PENDING':>10} "
-                     f"{'WRITTEN':>9} {'DROPPED':>8} {'REJECTED':>8}")
+                     f"{'BEHIND':>8} {'WRITTEN':>9} {'DROPPED':>8} {'REJECTED':>8}")
         for r in rings:
             lines.append(
                 f"{r['instance'] + '/' + r['name']:<40} {r['rank']:>5} {r['writer_pid']:>8} "
                 f"{'yes' if r['alive'] else 'no':>5} {_mib(r['capacity']):>10} {_mib(r['pending_bytes']):>10} "
+                f"{r.get('pending_s', 0.0):>7.1f}s "
                 f"{r['writer']['records_written']:>9} {r['writer']['records_dropped']:>8} {r.get('rejected', 0):>8}"
             )
     else:
@@ -248,11 +249,16 @@ def _status_text(s: dict[str, Any]) -> str:
     lat = s["delivery_latency_s"]
     mean = f"{1000 * lat['sum'] / lat['count']:.2f} ms" if lat["count"] else "-"
     lines += [
-        f"requests in flight: {s['requests_in_flight']}   retained: {s['retained_requests']} ({_mib(s['retained_bytes'])})"
-        f"   evicted: {s['evicted_requests']}",
+        f"requests in flight: {s['requests_in_flight']}"
+        + (f" ({s['requests_waiting_for_rings']} ended, waiting for their rings to be read)"
+           if s.get("requests_waiting_for_rings") else "")
+        + f"   retained: {s['retained_requests']} ({_mib(s['retained_bytes'])})   evicted: {s['evicted_requests']}",
         f"records in: {s['records_in']} ({_mib(s['bytes_in'])})   drops: {d['records']} records "
         f"({_mib(d['bytes'])}), {d['missing_positions']} positions missing, {d.get('captures_shed', 0)} captures shed "
         f"(daemon behind)",
+        *(["gaps by reason (positions): " + ", ".join(f"{reason} {n}" for reason, n in sorted(s["gap_positions"].items())
+                                                      if n)]
+          if any(s.get("gap_positions", {}).values()) else []),
         f"subscribers: {s['subscribers']} ({s['subscribers_waiting']} waiting, {s['subscribers_too_slow']} cut off as too slow)"
         f"   delivered: {s['delivered_messages']} messages ({_mib(s['delivered_bytes'])}), mean latency {mean}",
     ]

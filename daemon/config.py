@@ -24,7 +24,7 @@ class DaemonConfig:
     poll_interval_s: float = 0.0005  # sleep when every ring is empty
     retain_bytes: int = 1 << 30  # finished requests kept for late subscribers, LRU beyond this
     retain_ttl_s: float = 600.0  # ... and for at most this long
-    end_grace_s: float = 5.0  # after the first END, wait this long for other ranks' slices
+    end_grace_s: float = 5.0  # records committed this long after a capture's END still count (config_load)
     subscriber_queue: int = 10000  # messages queued per subscriber before it is cut off as too slow
     inflight_bytes: int = 4 << 30  # held for captures not ended yet; beyond, the biggest is cut (gaps)
     arena_bytes: int = 2 << 30  # shared memory for delivered arrays (same-host subscribers map it); 0 = off

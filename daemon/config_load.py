@@ -40,9 +40,11 @@ DOCS: dict[str, str] = {
     "retain_bytes": "Finished requests kept for late subscribers, evicted oldest first beyond this size "
     "(bytes; `512MiB`, `1GiB` accepted).",
     "retain_ttl_s": "Longest a finished request is kept for late subscribers (seconds; `10m` accepted).",
-    "end_grace_s": "After a request's first END, how long to wait for the other ranks' slices before "
-    "delivering it; also how long a capture whose END was lost (the engine no longer lists it as capturing) "
-    "waits before it ends as `end lost` (seconds).",
+    "end_grace_s": "How long after a capture's END records committed for it are still waited for (a GPU worker "
+    "may commit a step's records just after the engine ends the request). A capture still missing positions ends "
+    "once the daemon has read every worker ring up to where that ring stood this long after the END was read, "
+    "however far behind the daemon is; a capture whose END was lost (the engine no longer lists it) waits the same "
+    "way, then ends `end lost` (seconds).",
     "subscriber_queue": "Messages queued per subscriber before it is cut off as too slow (>= 1).",
     "inflight_bytes": "Memory for captures that have not ended yet (their histories and what reassembly holds); "
     "beyond it the biggest capture is cut: its remaining positions become gaps saying `over budget`. Raise it "

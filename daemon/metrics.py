@@ -53,6 +53,8 @@ _RING_METRICS: list[tuple[str, str, str, Callable[[dict[str, Any]], float]]] = [
     ("vllm_tap_ring_capacity_bytes", "Size of the ring's data area.", "gauge", lambda r: r["capacity"]),
     ("vllm_tap_ring_pending_bytes", "Written but not yet read: how far the daemon lags this writer.", "gauge",
      lambda r: r["pending_bytes"]),
+    ("vllm_tap_ring_pending_seconds", "How long the oldest unread byte has waited (an upper bound): how far the "
+     "daemon lags this writer, in time.", "gauge", lambda r: r.get("pending_s", 0.0)),
     ("vllm_tap_ring_records_written", "Records the writer committed.", "counter", lambda r: r["writer"]["records_written"]),
     ("vllm_tap_ring_bytes_written", "Bytes the writer committed.", "counter", lambda r: r["writer"]["bytes_written"]),
     ("vllm_tap_ring_records_dropped", "Records the writer dropped because the ring was full.", "counter",
@@ -110,6 +112,14 @@ class DaemonCollector(Collector):
         yield _counter("vllm_tap_dropped_bytes", "Bytes writers dropped because a ring was full (all rings).", drops["bytes"])
         yield _counter("vllm_tap_missing_positions", "Token positions delivered as gaps (dropped or never written).",
                        drops["missing_positions"])
+        gaps = CounterMetricFamily("vllm_tap_gap_positions", "Token positions delivered as gaps, by reason.",
+                                   labels=["reason"])
+        for reason, n in sorted(s.get("gap_positions", {}).items()):
+            gaps.add_metric([str(reason)], float(n))
+        yield gaps
+        yield _gauge("vllm_tap_captures_waiting_for_rings", "Captures whose END was read that wait for the daemon to "
+                     "read their rings up to where they stood end_grace_s after it.",
+                     s.get("requests_waiting_for_rings", 0))
         yield _counter("vllm_tap_captures_shed", "Captures delivered as one gap `overloaded`: a worker shed them "
                        "because the daemon was behind.", drops.get("captures_shed", 0))
         yield _gauge("vllm_tap_subscribers", "Open subscriptions.", s["subscribers"])

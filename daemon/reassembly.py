@@ -30,11 +30,23 @@ Rules for what is expected and when a capture ends:
   hooks/admission.py) is delivered as one Gap over its expected positions, with the SHED's reason
   (`overloaded`), once its END says where it stops; whatever other ranks wrote for it is discarded
   (without the shedding rank's records none of its steps could complete).
-- Every capture ends: by its END (then after end_grace_s for straggling slices), by its writer's
-  death (after gone_grace_s, once the dead ring is drained), by the engine's LIVE records no longer
-  naming it (END lost), by a malformed record naming it, or by the daemon cutting it to stay inside
-  its memory budget. The End says which; `complete` holds only when the END was seen and no
-  expected position is missing.
+- Every capture ends: by its END, by its writer's death (after gone_grace_s, once the dead ring is
+  drained), by the engine's LIVE records no longer naming it (END lost), by a malformed record
+  naming it, or by the daemon cutting it to stay inside its memory budget. The End says which;
+  `complete` holds only when the END was seen and no expected position is missing.
+- A capture with its END ends as soon as every expected position is resolved. One that still misses
+  positions waits for its data, not for a clock: the END is read from the engine's small ring at
+  once, the data from the workers' rings, maybe long after (the daemon is behind). end_grace_s after
+  the END was read (daemon time), the capture joins a Barrier: where every worker ring's writer had
+  got to then (the daemon reports each ring's write cursor as it polls, `ring_read`). Once the daemon
+  has read every ring that far, nothing more of the capture can come (a writer commits a step's
+  records before the engine ENDs it; the grace covers records committed a little later, a GPU's
+  copies), and what is missing becomes Gaps: `incomplete` for steps some of whose records came and
+  others did not (for a capture met half way after a restart, the other records of its first steps
+  went with the previous daemon: NOT_CAPTURED_PREVIOUS), holes below what came as ever, `timeout`
+  past everything that came. A capture whose END is lost (the LIVE rule) waits the same
+  way before it ends `end lost`. Each ring is at most its capacity ahead of the daemon, and a ring
+  that is closed (replaced, broken) stops counting (`ring_closed`), so every Barrier is passed.
 - Missing positions are kept as ranges, never as lists of positions: one far-off position costs
   one range, not memory in proportion to the distance.
 - Bytes held here (pending groups, ready chunks) are counted per request and in `held_bytes`, so
@@ -57,6 +69,7 @@ interface: no IO happens here.
 
 from __future__ import annotations
 
+import collections
 import functools
 import heapq
 import itertools
@@ -83,13 +96,17 @@ DROPPED = "dropped"  # the writer's ring was full
 INCOMPLETE = "incomplete"  # some rank's slice never arrived, or the slices did not tile the tensor
 NOT_CAPTURED = "not captured"  # never written (e.g. cached prefix)
 NOT_CAPTURED_PREVIOUS = "not captured: consumed by a previous daemon"  # read by the daemon before a restart
-TIMEOUT = "timeout"  # still incomplete end_grace_s after the request's END
+TIMEOUT = "timeout"  # past all that came, and not in any ring read up to where it was end_grace_s after the END
 WRITER_GONE = "writer gone"  # the ring's writer died
 RING_BROKEN = "ring broken"  # the ring file changed under the daemon (truncated, grown): no longer read
 END_LOST = "end lost"  # the engine stopped naming the request in its LIVE records and no END came
 MALFORMED = "malformed record"  # a record of the capture did not fit the ring schema
 OVER_BUDGET = "over budget"  # the daemon's in-flight memory budget (inflight_bytes) was exceeded
 OVERLOADED = rf.SHED_OVERLOADED  # a worker shed the capture: its ring was over the shed threshold
+# The reasons gap_positions counts by name; any other (a SHED record's own text) counts as OTHER.
+GAP_REASONS = (DROPPED, OVERLOADED, INCOMPLETE, NOT_CAPTURED, NOT_CAPTURED_PREVIOUS, TIMEOUT, WRITER_GONE, RING_BROKEN,
+               END_LOST, MALFORMED, OVER_BUDGET)
+OTHER = "other"
 
 Alloc = Callable[[tuple[int, int], Any], "np.ndarray | None"]  # (shape, dtype) -> array, None: use the heap
 MAX_TARGETS = 1 << 16  # tensor-parallel targets waiting for their other slices, at most
@@ -315,6 +332,17 @@ class _Chunk:
         return self.tokens.nbytes if self.tokens is not None else 0
 
 
+@dataclass(eq=False)
+class _Barrier:
+    """Where each worker ring's writer had got to at one moment (a tick): the captures waiting on it
+    end once the daemon has read every ring that far. A ring's cursor is the first one the daemon
+    reports after the Barrier was made (so it is at or past that moment), and a ring closed meanwhile
+    no longer counts."""
+
+    requests: list["_Request"]
+    cursors: dict[str, int] = field(default_factory=dict)  # ring -> write cursor
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -348,6 +376,7 @@ class _Request:
     listed: bool | None = None  # whether the latest LIVE record named it (None: no LIVE seen yet)
     last_record_at: float = 0.0
     lost_at: float | None = None  # when the LIVE rule declared its END lost
+    barrier: "_Barrier | None" = None  # the rings' read cursors it waits for before it ends (END, or END lost)
     cut: str | None = None  # why its data is no longer kept (over budget)
     shed: str | None = None  # why a worker did not admit it (a SHED record): delivered as one Gap
     hold: int = HOLD_NEWEST  # output positions held back (0 when the BEGIN says the engine is not async)
@@ -401,7 +430,10 @@ class Reassembler:
         self._seq = itertools.count()
         self._resumed: set[str] = set()  # rings a previous daemon had been reading
         self._last_live_at: float | None = None
+        self._read: dict[str, int] = {}  # worker ring -> its read cursor, as the daemon last reported it
+        self._barriers: collections.deque[_Barrier] = collections.deque()  # oldest first
         self.held_bytes = 0
+        self.gap_positions: dict[str, int] = {}  # reason (GAP_REASONS, OTHER) -> positions delivered as gaps
         self.stats = {"records": 0, "late_records": 0, "duplicate_records": 0, "bad_records": 0,
                       "past_end_records": 0, "rejected_records": 0, "requests_started": 0, "requests_finished": 0,
                       "missing_positions": 0, "live_records": 0, "ends_lost": 0, "captures_cut": 0,
@@ -417,9 +449,14 @@ class Reassembler:
         return [
             {"instance": self.instance, "request_id": r.request_id, "frontier": r.frontier,
              "pending_groups": len(r.groups), "delivered": r.delivered, "held_bytes": r.nbytes,
-             "missing": sum(len(m) for m in r.missing), "ended": r.end is not None, "source": r.source}
+             "missing": sum(len(m) for m in r.missing), "ended": r.end is not None, "source": r.source,
+             "waiting_for_rings": r.barrier is not None}
             for r in self._requests.values()
         ]
+
+    def waiting_for_rings(self) -> int:
+        """Captures that end once the daemon has read their rings up to a Barrier."""
+        return sum(1 for r in self._requests.values() if r.barrier is not None)
 
     def request_bytes(self) -> Iterable[tuple[str, int]]:
         """(request id, bytes held here) of every capture in flight."""
@@ -430,6 +467,29 @@ class Reassembler:
     def resumed_ring(self, ring: str) -> None:
         """`ring` was being read by a previous daemon: captures first seen in it may have lost their head to it."""
         self._resumed.add(ring)
+
+    def ring_read(self, ring: str, read: int, written: int, now: float) -> list[Event]:
+        """The daemon polled worker ring `ring`: its writer had written up to `written` when the poll
+        began, and the daemon has now read (and fed) everything below `read`. Captures whose Barrier
+        every ring has now been read up to end."""
+        if ring == ENGINE_SOURCE:
+            return []  # control records only: nothing a capture's data waits for
+        self._read[ring] = read
+        if not self._barriers:
+            return []
+        for b in reversed(self._barriers):  # the newest lack this ring's cursor, the older have it
+            if ring in b.cursors:
+                break
+            b.cursors[ring] = written
+        return self._pass_barriers(now)
+
+    def ring_closed(self, ring: str, now: float) -> list[Event]:
+        """The daemon no longer reads `ring` (replaced, removed, broken): no Barrier waits for it. A
+        ring opened later under the same name is a new file, counted from its first poll."""
+        self._read.pop(ring, None)
+        for b in self._barriers:
+            b.cursors.pop(ring, None)
+        return self._pass_barriers(now)
 
     def target(self, request_id: str, step: int, tensor: TensorId, slice_start: int, slice_stop: int, full_dim: int,
                rows: int, dtype: Any) -> np.ndarray | None:
@@ -518,8 +578,7 @@ class Reassembler:
             req.records += 1
             req.last_record_at = now
             if req.live_absent or req.lost_at is not None:
-                req.live_absent = 0
-                req.lost_at = None
+                self._revive(req)
             req.sources.add(batch.ring)
             if req.num_prompt_tokens == 0:
                 req.num_prompt_tokens = e.num_prompt_tokens
@@ -602,12 +661,13 @@ class Reassembler:
         return out
 
     def tick(self, now: float) -> list[Event]:
-        """Resolve what timed out: requests past their END's grace, dead writers, lost ENDs."""
+        """Resolve what time decides: captures past their END's grace (or declared END lost) join a
+        Barrier of the rings as they are now; dead writers; lost ENDs."""
         out: list[Event] = []
+        due: list[_Request] = []
         for req in list(self._requests.values()):
-            if req.end_at is not None and now >= req.end_at + self.end_grace_s:
-                nothing = req.inherited and not req.delivered and not req.groups and not req.ready
-                self._finish(req, now, out, NOT_CAPTURED_PREVIOUS if nothing else TIMEOUT)
+            if req.end_at is not None and req.barrier is None and now >= req.end_at + self.end_grace_s:
+                due.append(req)
             elif req.dead_at is not None and now >= req.dead_at + self.gone_grace_s:
                 self._fail_groups(req, list(req.groups.values()), req.dead_reason)
                 self._pump(req, now, out)
@@ -628,12 +688,53 @@ class Reassembler:
                     quiet = req.last_record_at + 2 * self.live_silence_s
                     if now >= quiet:
                         req.lost_at = quiet
-                if req.lost_at is not None and now >= req.lost_at + self.end_grace_s:
-                    self.stats["ends_lost"] += 1
-                    log.warning("request %s: no END, and the engine no longer lists it as capturing: ended",
-                                req.request_id)
-                    self._finish(req, now, out, END_LOST)
+                if req.lost_at is not None and req.barrier is None and now >= req.lost_at + self.end_grace_s:
+                    due.append(req)
+        if due:
+            b = _Barrier(due)
+            for req in due:
+                req.barrier = b
+            self._barriers.append(b)
+        if self._barriers:
+            out += self._pass_barriers(now)
         return out
+
+    def _pass_barriers(self, now: float) -> list[Event]:
+        """End the captures of every Barrier the daemon has read all rings up to (oldest first: a
+        later Barrier is nowhere behind an earlier one)."""
+        out: list[Event] = []
+        read = self._read
+        while self._barriers:
+            b = self._barriers[0]
+            cursors = b.cursors
+            for ring, at in read.items():
+                want = cursors.get(ring)
+                if want is None or at < want:
+                    return out
+            self._barriers.popleft()
+            for req in b.requests:
+                if req.barrier is b and self._requests.get(req.request_id) is req:
+                    req.barrier = None
+                    self._settle(req, now, out)
+        return out
+
+    def _settle(self, req: _Request, now: float, out: list[Event]) -> None:
+        """Every ring was read past where it stood end_grace_s after the END (or after the END was
+        declared lost): what the capture still misses will not come."""
+        if req.end is not None:
+            if req.inherited and not req.delivered and not req.groups and not req.ready:
+                self._finish(req, now, out, NOT_CAPTURED_PREVIOUS)  # its records went with a previous daemon
+                return
+            self._fail_groups(req, list(req.groups.values()), _unfinished(req))
+            # Holes below what came are resolved as ever (never computed; a head a previous daemon
+            # read); what is left, past everything that came, is what nothing came for.
+            self._pump(req, now, out)
+            if self._requests.get(req.request_id) is req:
+                self._finish(req, now, out, TIMEOUT)
+        elif req.lost_at is not None:
+            self.stats["ends_lost"] += 1
+            log.warning("request %s: no END, and the engine no longer lists it as capturing: ended", req.request_id)
+            self._finish(req, now, out, END_LOST)
 
     def writer_gone(self, source: str, now: float, reason: str = WRITER_GONE) -> list[Event]:
         """The writer of ring `source` died or was replaced, and its ring was drained (or the ring
@@ -734,8 +835,15 @@ class Reassembler:
         req.records += 1
         req.last_record_at = now
         if req.live_absent or req.lost_at is not None:
-            req.live_absent = 0
-            req.lost_at = None
+            self._revive(req)
+
+    @staticmethod
+    def _revive(req: _Request) -> None:
+        """A record of it came: whatever the LIVE records said, it was still running."""
+        req.live_absent = 0
+        req.lost_at = None
+        if req.end is None:
+            req.barrier = None  # no longer waiting to end `end lost`
 
     def _lazy(self, r: RingRecord, now: float, out: list[Event]) -> _Request | None:
         req = self._requests.get(r.request_id)
@@ -1034,7 +1142,8 @@ class Reassembler:
         ranks = set(done.parts)
         stale = [g for g in req.groups.values()
                  if g.step < done.step and set(g.parts) <= ranks and len(ranks) >= g.expected_ranks]
-        self._fail_groups(req, stale, INCOMPLETE)
+        if stale:
+            self._fail_groups(req, stale, _unfinished(req))
 
     def _fail_groups(self, req: _Request, groups: list[_Group], reason: str) -> None:
         for g in groups:
@@ -1086,6 +1195,8 @@ class Reassembler:
         rng = range(lo, hi)
         req.missing.append(rng)
         self.stats["missing_positions"] += len(rng)
+        key = reason if reason in GAP_REASONS else OVER_BUDGET if reason.startswith(OVER_BUDGET) else OTHER
+        self.gap_positions[key] = self.gap_positions.get(key, 0) + len(rng)
         out.append(Gap(self.instance, req.request_id, rng, reason, now))
 
     def _limit(self, req: _Request) -> int | None:
@@ -1235,6 +1346,15 @@ def _tiles(t: np.ndarray, recs: list[RingRecord]) -> bool:
     step = t.dtype.itemsize
     return all(x.data is not None and x.data.shape[0] == t.shape[0] and x.data.strides == t.strides
                and x.data.dtype == t.dtype and _addr(x.data) == base + x.slice_start * step for x in recs)
+
+
+def _unfinished(req: _Request) -> str:
+    """Why steps of a capture that can no longer complete are missing. Some of their records came and
+    others never will: a rank's slice never arrived (`incomplete`), unless the capture was met half way
+    in a ring a previous daemon was reading and nothing was delivered yet. Then these are its first
+    steps, whose other records that daemon read before it stopped (a step's hidden states and its
+    logits are two records, a SIGKILL can fall between them)."""
+    return NOT_CAPTURED_PREVIOUS if req.inherited and not req.delivered else INCOMPLETE
 
 
 def _holding(req: _Request) -> bool:

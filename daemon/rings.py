@@ -6,7 +6,9 @@ Methods of the Daemon (daemon/server.py), which owns the state they use: the ope
 reassemblers (`_reasm`) and the counters. Their rules are the module docstring of daemon/server.py:
 a ring's bytes are decoded against a schema, a ring that changes under the daemon is dropped with
 one line and its captures end, a writer's death ends its captures after what its ring still holds
-is read, and each ring is read a bounded amount per round.
+is read, and each ring is read a bounded amount per round. After each poll of a ring the reassembler
+is told how far its writer had written and how far it is read (`ring_read`; the captures whose
+Barrier that passes end), and when a ring is no longer read (`ring_closed`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 import os
 import select
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,6 +33,7 @@ from vllm_tap.safe_paths import UnsafePath
 from vllm_tap.daemon import step_runs
 from vllm_tap.daemon.discovery import Candidate
 from vllm_tap.daemon.reassembly import RING_BROKEN, Reassembler
+from vllm_tap.daemon.ring_lag import RingLag
 
 log = logging.getLogger("vllm_tap.daemon.server")  # the daemon logs under one name, whichever side speaks
 
@@ -55,6 +58,7 @@ class OpenRing:
     pidfd: int | None = None
     exited_at_cursor: int | None = None  # where the ring was when its writer's pidfd said it exited
     sink_failures: int = 0  # reader.sink_failures already counted by the arena
+    lag: RingLag = field(default_factory=RingLag)  # how long its oldest unread byte has waited
 
     @property
     def path(self) -> str:
@@ -240,7 +244,9 @@ class RingSide:
         it may hold records committed before the writer went away."""
         self._drain(ring)
         self._close_ring(ring)
-        self._reassembler(ring.instance).writer_gone(ring.reader.name, now)
+        reasm = self._reassembler(ring.instance)
+        reasm.writer_gone(ring.reader.name, now)
+        self._dispatch(reasm.ring_closed(ring.reader.name, now), now)
         log.info("ring %s %s (epoch %d done)", ring.path, why, ring.reader.epoch)
 
     def _break(self, ring: OpenRing, now: float, why: str) -> None:
@@ -250,7 +256,9 @@ class RingSide:
         self._broken.append({"path": ring.path, "instance": ring.instance, "why": why, "at": time.time()})
         del self._broken[:-100]
         self._close_ring(ring)
-        self._reassembler(ring.instance).writer_gone(ring.reader.name, now, RING_BROKEN)
+        reasm = self._reassembler(ring.instance)
+        reasm.writer_gone(ring.reader.name, now, RING_BROKEN)
+        self._dispatch(reasm.ring_closed(ring.reader.name, now), now)
         self._dir.reject(Candidate(ring.instance, ring.reader.name, ring.dir_fd, None), ring.reader.inode)
 
     def _close_ring(self, ring: OpenRing) -> None:
@@ -272,10 +280,12 @@ class RingSide:
             self.arena.write_failed(ring.reader.sink_failures - ring.sink_failures,
                                     "a region handed out could not be written (EFAULT)")
             ring.sink_failures = ring.reader.sink_failures
+        reader = ring.reader
         if recs:
-            ring.reader.read_ahead()  # the next large record copies while these are handled
+            reader.read_ahead()  # the next large record copies while these are handled
         reasm = self._reassembler(ring.instance)
         now = time.monotonic()  # the read time: delivery latency is measured from here
+        ring.lag.observe(reader.read_cursor, reader.written, now)
         rejections = ring.reader.rejections
         n = len(recs) + len(rejections)
         c = self.counters
@@ -295,6 +305,8 @@ class RingSide:
             self._feed(reasm, rec, now, ring)
         while rejections:
             self._rejected(reasm, rejections.popleft(), now)
+        # After what was read is fed: captures waiting for this ring to be read this far end now.
+        self._dispatch(reasm.ring_read(reader.name, reader.read_cursor, reader.written, now), now)
         return n
 
     def _feed(self, reasm: Reassembler, rec: Any, now: float, ring: OpenRing) -> None:

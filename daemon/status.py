@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_tap import wire_format as wf
+from vllm_tap.daemon.reassembly import GAP_REASONS, OTHER
 from vllm_tap.ring_reader import RingBroken
 
 # Delivery latency (ring read to send), seconds; fixed so scrapes can be compared over time.
@@ -84,6 +85,7 @@ class StatusSide:
         rings = []
         dropped_records = dropped_bytes = 0
         rejected, corrupt = self._closed_ring_counts
+        now = time.monotonic()
         for ring in self._order:
             try:
                 info = ring.reader.info()
@@ -98,16 +100,21 @@ class StatusSide:
                 "world_size": info.world_size, "writer_pid": info.writer_pid, "alive": ring.alive,
                 "writer_watch": "pidfd" if ring.pidfd is not None else "poll",
                 "epoch": info.epoch, "capacity": info.capacity, "pending_bytes": info.backlog_bytes,
+                # How long the oldest unread byte has waited (an upper bound): the daemon's lag in time.
+                "pending_s": round(ring.lag.seconds(info.read_cursor, now), 3),
                 "read_cursor": info.read_cursor, "write_cursor": info.write_cursor, "corrupt": ring.reader.corrupt,
                 "rejected": ring.reader.rejected, "writer": dict(info.stats),
                 # Large records whose copy started while the one before was handled, and were used.
                 "read_ahead": ring.reader.read_aheads, "read_ahead_taken": ring.reader.read_aheads_taken,
             })
         reasm_stats: dict[str, int] = {}
+        gap_positions = dict.fromkeys((*GAP_REASONS, OTHER), 0)  # every reason from 0, so a rate has a start
         requests: list[dict[str, Any]] = []
         for r in self._reasm.values():
             for k, v in r.stats.items():
                 reasm_stats[k] = reasm_stats.get(k, 0) + v
+            for k, v in r.gap_positions.items():
+                gap_positions[k] = gap_positions.get(k, 0) + v
             requests.extend(r.requests())
         c = self.counters
         p = self._peers
@@ -127,6 +134,9 @@ class StatusSide:
             "copier": self.copier.snapshot() if self.copier is not None else None,
             "discovery": "inotify" if self._dir.watching else "scan",
             "rings": rings,
+            # How far behind the daemon is: unread bytes of all rings, and the longest any has waited.
+            "pending_bytes": sum(r["pending_bytes"] for r in rings),
+            "pending_s": max((r["pending_s"] for r in rings), default=0.0),
             "rings_refused": c.rings_refused,
             "dirs_refused": self._dir.dirs_refused,  # instance directories (or the shm dir) failing the access rules
             "rings_broken": c.rings_broken,
@@ -135,6 +145,9 @@ class StatusSide:
             "corrupt_records": corrupt,
             "writers_exited": c.writers_exited,
             "requests_in_flight": sum(r.in_flight() for r in self._reasm.values()),
+            # Of those, captures that end once the daemon has read their rings up to where they stood
+            # end_grace_s after the END (or after the END was declared lost).
+            "requests_waiting_for_rings": sum(r.waiting_for_rings() for r in self._reasm.values()),
             "requests": requests[:100],
             "inflight_bytes": self.inflight_bytes(),
             "inflight_budget": self.config.inflight_bytes,
@@ -148,6 +161,8 @@ class StatusSide:
             "drops": {"records": dropped_records, "bytes": dropped_bytes,
                       "missing_positions": reasm_stats.get("missing_positions", 0),
                       "captures_shed": reasm_stats.get("captures_shed", 0)},
+            # Positions delivered as gaps, by reason (daemon/reassembly.py GAP_REASONS, "other").
+            "gap_positions": gap_positions,
             "reassembly": reasm_stats,
             "reassembly_errors": c.reassembly_errors,
             "subscribers": len(self._subs),

@@ -24,8 +24,8 @@ Rules:
   handled point moves past them and a `watermark` tells the client (at most every WATERMARK_S).
 - Order. Whole mode sends capture after capture in seq order: the capture at the head goes out as
   its events are filed, the next one only after the head's End, so a capture that ends late holds
-  later ones back for this watcher (every capture ends within bounded time: the engine's END, or
-  end_grace_s / writer death). The client yields each capture whole at its End. A late Begin that
+  later ones back for this watcher (every capture ends within bounded time: its END and its rings
+  read that far, a lost END, its writer's death; daemon/reassembly.py). The client yields each capture whole at its End. A late Begin that
   completes a lazily made head capture is sent again; the client keeps the fuller one. Streamed
   mode starts captures in seq order and then sends each capture's events as they are filed, so the
   events of concurrent captures interleave; within a capture, positions are in order.

@@ -59,6 +59,7 @@ class DaemonHandle:
     log_path: str
     proc: subprocess.Popen | None = None
     state_dir: str = ""  # its sequence state; "" = a private temporary directory, kept across restarts
+    args: list[str] = field(default_factory=list)  # more flags for every start (`--end-grace 0`)
 
     def start(self, timeout: float = 20.0, extra: list[str] | None = None) -> "DaemonHandle":
         if not self.state_dir:
@@ -66,7 +67,8 @@ class DaemonHandle:
         argv = [sys.executable, "-m", "vllm_tap.cli", "daemon", "--shm-dir", self.shm_dir, "--endpoint", self.endpoint,
                 "--state-dir", self.state_dir]
         with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(argv + (extra or []), stdout=out, stderr=out, start_new_session=True)
+            self.proc = subprocess.Popen(argv + self.args + (extra or []), stdout=out, stderr=out,
+                                         start_new_session=True)
         from vllm_tap.client import Client, DaemonUnavailable
 
         deadline = time.monotonic() + timeout

@@ -149,6 +149,7 @@ class RingReader:
         self.world_size = world
         self._writable = writable
         self._r = read
+        self.written = read  # the writer's cursor as the last poll found it (before reading)
         self.resumed = read > 0  # a previous reader consumed part of it (a restarted daemon)
         self.corrupt = 0
         self.rejected = 0
@@ -291,6 +292,11 @@ class RingReader:
             return True
         return st.st_ino != self.inode or st.st_dev != self.dev or not stat.S_ISREG(st.st_mode)
 
+    @property
+    def read_cursor(self) -> int:
+        """Everything below it was read (and returned by poll)."""
+        return self._r
+
     def pending_bytes(self) -> int:
         return self.write_cursor() - self._r
 
@@ -316,6 +322,7 @@ class RingReader:
         place among the records returned). RingBroken when the file changed under the reader (it
         must not be read any more)."""
         w = self.write_cursor()
+        self.written = w
         self._stamp()
         r = self._r
         if w == r:

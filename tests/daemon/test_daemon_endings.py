@@ -261,3 +261,62 @@ def test_an_unusable_handover_is_one_logged_line_and_the_daemon_starts(daemon_fa
     assert not os.path.exists(os.path.join(state, "handover.msgpack"))
     lines = [x for x in d.log().splitlines() if "handover" in x]
     assert len(lines) == 1 and "ignored" in lines[0], lines
+
+
+# -- a capture's end waits for its data, however far behind the daemon is --
+
+
+def test_a_backlog_read_long_after_its_ends_arrives_whole_with_no_timeout(daemon_factory, shm_dir):
+    """Thousands of decode steps of full logits pile up while the daemon is stopped, then every
+    capture's END. Once it runs again the daemon reads the ENDs at once (the engine ring is small)
+    and the steps at its own pace, over many rounds (each ring is read READ_BUDGET_BYTES a round).
+    Every capture still arrives whole: its end waits until the worker ring is read up to where it
+    stood. A grace of 0 makes that the only wait, so the daemon reading fast cannot hide a capture
+    ending early. (Before: a capture ended end_grace_s after its END was read, and what the ring still
+    held of it became a `timeout` gap, then was discarded as late.)"""
+    from vllm_tap.daemon.rings import READ_BUDGET_BYTES
+    from vllm_tap.ring_records import TensorId
+    from vllm_tap.spec import CaptureSpec, LogitsMode, PositionsMode
+    from synthetic_writer import write_decode_backlog
+    from vllm_tap import ring_format as rf
+
+    d = daemon_factory(end_grace_s=0.0)
+    n, prompt, steps, vocab = 32, 4, 3000, 512
+    assert n * steps * vocab * 4 > 4 * READ_BUDGET_BYTES  # read over several rounds, long after the ENDs
+    spec = CaptureSpec(logits=LogitsMode.FULL, layers=(), positions=PositionsMode.OUTPUT).to_meta()
+    rids = [f"behind-{i}" for i in range(n)]
+    sections = ((TensorId(rf.TensorKind.LOGITS), rf.DType.FLOAT32, vocab, (0, vocab), vocab),)
+
+    def row(i: int, pos: int, section: int = 0) -> np.ndarray:
+        return (np.arange(vocab) * 0.25 + 1000 * int(pos) + 10_000_000 * i).astype(np.float32)
+
+    c = d.client()
+    c.status()  # connected before the stop: its next question is read in the daemon's first rounds after it
+    t0 = time.monotonic()
+    write_decode_backlog(shm_dir, d, rids, spec, prompt, steps, sections, row, ring_bytes=256 << 20)
+    took = time.monotonic() - t0
+    # Status says how far behind the daemon is, before it costs anything: bytes unread and how long
+    # the oldest has waited (since before the stop), and the captures that ended and wait for their data.
+    seen = []
+    for _ in range(20):  # 1 s at most: it is behind for longer
+        seen.append(c.status())
+        if seen[-1]["requests_waiting_for_rings"] == n:
+            break
+        time.sleep(0.05)  # the captures join a Barrier at a tick (every 50 ms) after their END is read
+    behind = [s for s in seen if s["pending_bytes"] > 0]
+    assert behind, "caught up before the first answer"
+    print(f"\nafter the stop: {behind[0]['pending_bytes'] >> 20} MiB unread, the oldest for "
+          f"{behind[0]['pending_s']:.2f} s (the stop took {took:.2f} s at most); "
+          f"{max(s['requests_waiting_for_rings'] for s in behind)} captures waiting for their rings")
+    assert all(0 < s["pending_s"] <= took + 5 for s in behind), [s["pending_s"] for s in behind]
+    assert any(s["requests_waiting_for_rings"] == n for s in behind), [s["requests_waiting_for_rings"] for s in behind]
+    pos = np.arange(prompt - 1, prompt - 1 + steps)
+    for i, rid in enumerate(rids):
+        cap = c.fetch(rid, timeout=60)
+        assert cap.finish_reason == "length" and cap.missing_positions == [], (rid, cap.missing_positions.ranges[:3])
+        assert cap.positions.tolist() == pos.tolist() and cap.complete, rid
+        assert cap.arrays()["logits"].tobytes() == np.stack([row(i, p) for p in pos]).tobytes(), rid
+    s = d.status()
+    assert s["drops"]["missing_positions"] == 0 and s["reassembly"]["late_records"] == 0, s["reassembly"]
+    assert not any(s["gap_positions"].values()) and s["requests_waiting_for_rings"] == 0
+    assert s["pending_bytes"] == 0 and s["pending_s"] == 0 and all(r["pending_s"] == 0 for r in s["rings"])

@@ -228,14 +228,17 @@ def test_end_before_last_data_waits_then_completes():
     assert delivered(ev) == [4] and the_end(ev).missing_positions == []
 
 
-def test_end_grace_expiry_declares_the_rest_missing():
+def test_end_grace_expiry_with_the_rings_read_declares_the_rest_missing():
+    """No ring behind (none reported): end_grace_s after the END the capture ends. Steps a rank's
+    slices came for and another's did not are `incomplete`; positions nothing came for, `timeout`."""
     r = plain(end_grace_s=2.0)
     feed(r, begin())
     ev = feed(r, data(0, [0, 1], rank=0, expected=2, s=(0, 4)), data(1, [2, 3], rank=0, expected=2, s=(0, 4)), now=0.0)
     ev += feed(r, end(6), now=1.0)
     assert r.tick(2.9) == []
     ev = r.tick(3.0)
-    assert gaps(ev) == [([0, 1], TIMEOUT), ([2, 3], TIMEOUT), ([4, 5], TIMEOUT)]
+    assert gaps(ev) == [([0, 1], INCOMPLETE), ([2, 3], INCOMPLETE), ([4, 5], TIMEOUT)]
+    assert r.gap_positions == {INCOMPLETE: 4, TIMEOUT: 2}
     e = the_end(ev)
     assert e.reason == "stop" and e.missing_positions == [0, 1, 2, 3, 4, 5] and e.delivered == 0
     assert feed(r, data(2, [0, 1], rank=1, expected=2, s=(4, 8))) == []  # stragglers after the end are ignored
@@ -651,3 +654,146 @@ def test_a_shed_capture_handed_over_to_the_next_daemon_still_ends_as_one_overloa
     ev = second.restore(msgspec.msgpack.decode(blob, type=list[ho.Capture]), 1.0)
     ev += feed(second, end(5), now=1.0)
     _one_overloaded_gap(ev, 5)
+
+
+# -- a capture's end waits for its rings to be read, not for a clock --
+
+R0, R1 = "rank-00000.ring", "rank-00001.ring"
+
+
+def tp2(step, positions, rank) -> RingRecord:
+    half = V // 2
+    return data(step, positions, rank=rank, expected=2, s=(0, half) if rank == 0 else (half, V),
+                source=f"rank-{rank:05d}.ring")
+
+
+def test_an_end_read_long_before_its_data_waits_for_it_in_every_order_across_ranks():
+    """The daemon reads the engine ring's END at once and the two ranks' rings minutes later (it is
+    behind): however the ranks' records interleave (each ring is in its writer's order), the
+    capture is complete, and it does not end before its last slice, however long past end_grace_s."""
+    import itertools
+
+    records = [tp2(0, [0, 1, 2, 3], 0), tp2(1, [4], 0), tp2(2, [5], 0),
+               tp2(0, [0, 1, 2, 3], 1), tp2(1, [4], 1), tp2(2, [5], 1)]
+    orders = []  # every interleaving of rank 0's three records with rank 1's
+    for mine in itertools.combinations(range(6), 3):
+        r0, r1 = iter(range(3)), iter(range(3, 6))
+        orders.append([next(r0) if k in mine else next(r1) for k in range(6)])
+    assert len(orders) == 20
+    for order in orders:
+        r = Reassembler(end_grace_s=5.0)
+        r.ring_read(R0, 0, 1000, 0.0)  # far behind both rings
+        r.ring_read(R1, 0, 1000, 0.0)
+        ev = feed(r, begin(), end(6), now=0.0)
+        ev += r.tick(10.0)  # past the grace: the capture waits on where the rings are now
+        ev += r.ring_read(R0, 100, 2000, 10.1)
+        ev += r.ring_read(R1, 100, 2000, 10.1)
+        ev += r.tick(600.0)
+        assert not [e for e in ev if isinstance(e, End)], order
+        read = {R0: 100, R1: 100}
+        for k, i in enumerate(order):
+            rec = records[i]
+            ev += r.feed(rec, 600.0 + k)
+            read[rec.ring] += 300
+            ev += r.ring_read(rec.ring, read[rec.ring], 2000, 600.0 + k)
+            ev += r.tick(600.5 + k)
+        assert delivered(ev) == list(range(6)) and gaps(ev) == [], order
+        assert the_end(ev).complete and r.in_flight() == 0, order
+
+
+def test_what_the_rings_held_when_the_barrier_is_passed_decides_the_gaps_and_their_reasons():
+    """Behind by minutes; once every ring was read past where it stood end_grace_s after the END,
+    the positions still missing are gaps saying what happened: `dropped` (a DROP read late),
+    `incomplete` (rank 1's slice never came), `timeout` (nothing came)."""
+    r = Reassembler(end_grace_s=5.0)
+    r.ring_read(R0, 0, 5000, 0.0)
+    r.ring_read(R1, 0, 5000, 0.0)
+    ev = feed(r, begin(), end(7), now=0.0)
+    ev += r.tick(5.0)
+    ev += r.ring_read(R0, 10, 6000, 5.1) + r.ring_read(R1, 10, 7000, 5.1)  # the Barrier: 6000 and 7000
+    ev += feed(r, tp2(0, [0, 1, 2, 3], 0), tp2(0, [0, 1, 2, 3], 1), now=300.0)
+    ev += feed(r, drop([4], rank=1), tp2(2, [5], 0), now=300.0)  # rank 0's half of step 1 came and went: 4 is dropped
+    ev += r.ring_read(R0, 6000, 9000, 300.0)  # rank 0 is read up to its cursor; rank 1 is not yet
+    ev += r.tick(300.1)
+    assert delivered(ev) == [0, 1, 2, 3] and gaps(ev) == [([4], DROPPED)]
+    assert not [e for e in ev if isinstance(e, End)]
+    ev = r.ring_read(R1, 7000, 9000, 301.0)
+    assert gaps(ev) == [([5], INCOMPLETE), ([6], TIMEOUT)]
+    e = the_end(ev)
+    assert e.reason == "stop" and e.missing_positions == [4, 5, 6] and e.delivered == 4
+    assert r.gap_positions == {DROPPED: 1, INCOMPLETE: 1, TIMEOUT: 1}
+
+
+def test_a_ring_closed_stops_counting_and_a_ring_opened_later_counts_from_its_first_poll():
+    r = plain(end_grace_s=1.0)
+    r.ring_read(R0, 0, 100, 0.0)
+    r.ring_read(R1, 0, 100, 0.0)
+    feed(r, begin(), data(0, [0, 1]), end(3), now=0.0)
+    r.tick(1.0)
+    r.ring_read(R0, 100, 100, 1.1)
+    r.ring_read(R1, 50, 200, 1.1)  # rank 1 is behind: the Barrier waits for 200
+    assert r.tick(100.0) == [] and r.waiting_for_rings() == 1
+    assert r.ring_read("engine.ring", 0, 10**9, 100.0) == []  # control records only: never waited for
+    assert r.requests()[0]["waiting_for_rings"]
+    r2 = "rank-00002.ring"
+    assert r.ring_read(r2, 0, 10, 100.0) == []  # a ring found after the Barrier: its cursor at its first poll
+    assert r.ring_closed(R1, 100.1) == []  # no longer read: no longer waited for; rank 2 still is
+    ev = r.ring_read(r2, 10, 10, 100.2)
+    assert gaps(ev) == [([2], TIMEOUT)] and the_end(ev).missing_positions == [2]
+    assert r.waiting_for_rings() == 0
+
+
+def test_an_end_lost_waits_for_the_rings_too_and_a_record_read_meanwhile_keeps_the_capture():
+    """The engine ring is read at once, so LIVE records stop naming a capture while its data is
+    still in a worker ring the daemon is behind on: it does not end `end lost` before that is read,
+    and a record of it read meanwhile keeps it going."""
+    r = Reassembler(end_grace_s=1.0)
+    r.ring_read(R0, 0, 1000, 0.0)
+    feed(r, begin(n_prompt=1), data(0, [0, 1, 2]), now=0.0)
+    feed(r, live(), live(), now=1.0)  # two LIVE records without it, read in one go after a stop
+    ev = r.tick(2.0)  # lost at 1.0, plus the grace: waits for rank 0 up to 1000 (its next poll)
+    ev += r.ring_read(R0, 500, 1000, 2.1)
+    assert r.tick(2.2) == [] and r.waiting_for_rings() == 1
+    ev += feed(r, data(1, [3]), now=2.3)  # it was running after all
+    ev += r.ring_read(R0, 1000, 1000, 2.4)
+    assert not [e for e in ev if isinstance(e, End)] and r.waiting_for_rings() == 0
+    feed(r, live(), now=3.0)
+    feed(r, live(), now=4.0)
+    ev = r.tick(5.0) + r.ring_read(R0, 1000, 1000, 5.1)
+    e = the_end(ev)
+    assert e.reason == END_LOST and delivered(ev) == [3] and e.missing_positions == [] and r.stats["ends_lost"] == 1
+
+
+def test_gap_positions_are_counted_by_reason_with_free_text_kept_out_of_the_names():
+    r = plain()
+    feed(r, begin(), data(0, [2, 3]))  # 0..1 never written
+    r.cut(RID, 1.0, reason=f"{OVER_BUDGET}: captures in flight held more than inflight_bytes=1")
+    feed(r, data(1, [4]), end(5))
+    r2 = plain()
+    feed(r2, begin())
+    feed(r2, control_record(rf.RecordKind.SHED, RID, {"reason": "x" * 40, "num_prompt_tokens": 4,
+                                                      "spec": CaptureSpec().to_meta()}, rank=0, ring=R0), end(5))
+    assert r.gap_positions == {NOT_CAPTURED: 2, OVER_BUDGET: 1}
+    assert r2.gap_positions == {"other": 5}
+
+
+def test_a_step_whose_other_record_a_previous_daemon_read_is_consumed_not_incomplete():
+    """A worker writes a step's hidden states and its logits as two records; a daemon killed between
+    reading them leaves the next daemon the second alone. Those positions went with the previous
+    daemon, whether a later step shows it at once or the capture's end does."""
+    hidden = TensorId(rf.TensorKind.HIDDEN, 0)
+    for later_step in (True, False):
+        r = plain(end_grace_s=1.0)
+        r.resumed_ring(R0)
+        ev = feed(r, data(3, [6], tensor=hidden, parts=2, start=0, source=R0), now=0.0)  # its logits went before
+        if later_step:
+            ev += feed(r, data(4, [7], parts=2, source=R0), data(4, [7], tensor=hidden, parts=2, source=R0))
+        ev += feed(r, end(8))
+        ev += r.tick(1.0)
+        got = [(p, reason) for ps, reason in gaps(ev) for p in ps]
+        assert got == [(p, NOT_CAPTURED_PREVIOUS) for p in range(7)] + ([] if later_step else [(7, TIMEOUT)]), got
+        assert delivered(ev) == ([7] if later_step else [])
+        assert INCOMPLETE not in r.gap_positions
+    r = plain()  # a capture this daemon saw begin: a step missing a record is `incomplete`
+    ev = feed(r, begin(), data(0, [0, 1], tensor=hidden, parts=2), data(1, [2], parts=2), data(1, [2], tensor=hidden, parts=2))
+    assert gaps(ev) == [([0, 1], INCOMPLETE)]

@@ -30,13 +30,15 @@ SERVER_START_S = 420  # a compiled server on two shared cores
 class ServerStack:
     def __init__(self, instance: str, *, eager: bool = True, max_num_batched_tokens: int | None = None,
                  server_args: Sequence[str] = (), max_tokens: int = 4, spec: TinyLlamaSpec | None = None,
-                 **tap: Any):
-        """`tap`: the plugin's settings beyond shm_dir and instance (policy, ring_bytes, layers)."""
+                 daemon_args: Sequence[str] = (), **tap: Any):
+        """`tap`: the plugin's settings beyond shm_dir and instance (policy, ring_bytes, layers);
+        `daemon_args`: flags for `vllm-tap daemon` (`--end-grace 0`), at every start."""
         self.shm = tempfile.mkdtemp(prefix=f"vt-{instance}-", dir="/dev/shm")
         self.tmp = tempfile.mkdtemp(prefix="vt-")
         self.model = tiny_model(spec or TinyLlamaSpec())
         self.max_tokens = max_tokens
-        self.daemon = DaemonHandle(self.shm, f"ipc://{self.tmp}/tap.sock", os.path.join(self.tmp, "daemon.log"))
+        self.daemon = DaemonHandle(self.shm, f"ipc://{self.tmp}/tap.sock", os.path.join(self.tmp, "daemon.log"),
+                                   args=list(daemon_args))
         args = cpu_server_args(eager=eager, max_num_batched_tokens=max_num_batched_tokens) + list(server_args)
         self.server = ServerHandle(self.model, free_port(), os.path.join(self.tmp, "server.log"),
                                    args + tap_server_args(self.shm, instance, **tap))

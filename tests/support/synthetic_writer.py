@@ -361,7 +361,12 @@ def write_decode_backlog(shm_dir: str, daemon, rids: list[str], spec: dict, prom
                 "spec": spec, "source": "client", "num_prompt_tokens": prompt, "prompt_token_ids": list(range(prompt)),
                 "n": 1, "model": "m", **(begin_meta(i) if begin_meta else {})})
         assert eng.flush()
-        wait_until(lambda: daemon.status()["requests_in_flight"] == n, what="every BEGIN")
+
+        def ready() -> bool:  # the BEGINs read and the worker ring found: what follows is a backlog on it
+            s = daemon.status()
+            return s["requests_in_flight"] == n and any(r["rank"] == 0 for r in s["rings"])
+
+        wait_until(ready, what="every BEGIN and the worker ring")
         os.kill(daemon.proc.pid, signal.SIGSTOP)
         try:
             table = RequestTable([RequestRef(rid, "", prompt, 1, len(sections), prompt - 1, 0, "client") for rid in rids])
