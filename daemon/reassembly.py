@@ -103,6 +103,7 @@ END_LOST = "end lost"  # the engine stopped naming the request in its LIVE recor
 MALFORMED = "malformed record"  # a record of the capture did not fit the ring schema
 OVER_BUDGET = "over budget"  # the daemon's in-flight memory budget (inflight_bytes) was exceeded
 OVERLOADED = rf.SHED_OVERLOADED  # a worker shed the capture: its ring was over the shed threshold
+
 # The reasons gap_positions counts by name; any other (a SHED record's own text) counts as OTHER.
 GAP_REASONS = (DROPPED, OVERLOADED, INCOMPLETE, NOT_CAPTURED, NOT_CAPTURED_PREVIOUS, TIMEOUT, WRITER_GONE, RING_BROKEN,
                END_LOST, MALFORMED, OVER_BUDGET)
