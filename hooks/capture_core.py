@@ -327,6 +327,9 @@ class CaptureCore:
                              steady=lambda: self.steady_steps)
         self.steady_steps = 0  # capturing steps written the steady way
         self.tp_rank, self.tp_size = place.tp_rank, place.tp_size
+        # This rank's share of what its stage writes (the last dimension split among the stage's
+        # writers), or None: another rank of its stage writes it all (hooks/step_view.RankPlace).
+        self.share, self.shares = place.share, place.shares
         self.is_last_stage = place.is_last_stage
         self.layers = place.layers
         self.aux_index = {layer: i for i, layer in enumerate(self.layers)}
@@ -390,23 +393,27 @@ class CaptureCore:
             # A float32 model's tensors already are float32: such requests share records with the rest.
             to_f32 = spec.dtype == DTypeMode.FLOAT32 and self.model_dtype != torch.float32
             out = []
-            if self.is_last_stage and spec.logits == LogitsMode.FULL:
+            if self.share is None:
+                pass  # another rank of this stage writes what it captures
+            elif self.is_last_stage and spec.logits == LogitsMode.FULL:
                 out.append(Part("logits", to_f32))
-            elif self.is_last_stage and self.tp_rank == 0:
-                # Small, and needs the whole row: rank 0 writes it whole.
+            elif self.is_last_stage and self.share == 0:
+                # Small, and needs the whole row: the stage's first writer writes it whole.
                 if spec.logits == LogitsMode.TOPK:
                     out.append(Part("topk", to_f32, topk=spec.topk))
                 elif spec.logits == LogitsMode.INDICES:
                     out.append(Part("chosen", to_f32, indices=tuple(spec.indices)))
-            out.extend(Part("hidden", to_f32, layer=x) for x in spec.layers if x in self.aux_index)
+            if self.share is not None:
+                out.extend(Part("hidden", to_f32, layer=x) for x in spec.layers if x in self.aux_index)
             got = self._parts[spec] = tuple(out)
         return got
 
     def contributors(self, spec: CaptureSpec) -> int:
         """How many ranks write records for one of this request's steps (the same on every rank).
 
-        A stage whose part is sharded (full logits, hidden states) has all its tp ranks write;
-        a stage with only whole small tensors (top-k, chosen indices) has just its rank 0.
+        A stage whose part is sharded (full logits, hidden states) has all its writers write (every
+        tp rank, or those on the engine's home host); a stage with only whole small tensors (top-k,
+        chosen indices) has just its first writer.
         """
         n = self._contributors.get(spec)
         if n is None:
@@ -415,7 +422,7 @@ class CaptureCore:
             for s, layers in enumerate(self.place.stage_layers):
                 sharded = any(x in layers for x in spec.layers) or (s == last and spec.logits == LogitsMode.FULL)
                 whole = s == last and spec.logits in (LogitsMode.TOPK, LogitsMode.INDICES)
-                n += self.tp_size if sharded else int(whole)
+                n += len(self.place.stage_writers(s)) if sharded else int(whole)
             self._contributors[spec] = n
         return n
 
@@ -586,13 +593,13 @@ class CaptureCore:
 
     def shard_of(self, dim: int) -> tuple[int, int]:
         """This rank's [start, stop) of a last dimension of `dim`."""
-        return shard(dim, self.tp_rank, self.tp_size) if self.tp_size > 1 else (0, dim)
+        return shard(dim, self.share, self.shares) if self.shares > 1 else (0, dim)
 
     def _shard(self, src: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int], int]:
         full = src.shape[-1]
-        if self.tp_size == 1:
+        if self.shares == 1:
             return src, (0, full), full
-        s0, s1 = shard(full, self.tp_rank, self.tp_size)
+        s0, s1 = shard(full, self.share, self.shares)
         return src[:, s0:s1], (s0, s1), full
 
     def _indices_tensor(self, indices: tuple[int, ...]) -> torch.Tensor:

@@ -35,7 +35,9 @@ import time
 
 from vllm_tap import ring_format as rf
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG, TapConfigError, instance_name, server_config
+from vllm_tap.hooks.topology import placement_of
 from vllm_tap.identity import N_EXTRA_ARG
+from vllm_tap.placement import encode as encode_placement
 from vllm_tap.ring_files import RingSpaceError, ring_path
 from vllm_tap.ring_writer import RingWriter
 from vllm_tap.safe_paths import UnsafePath
@@ -79,6 +81,7 @@ class EngineEvents:
             self.writer = RingWriter(
                 path, ENGINE_RING_BYTES, rank=rf.ENGINE_RANK, world_size=1,
                 mode=0o660 if cfg.group else 0o600, group=cfg.group,
+                placement=encode_placement(placement_of(cfg, vllm_config, None)),
             )
         except (RingSpaceError, UnsafePath) as e:  # no room, or a squatted directory: stop start-up, one line
             raise TapConfigError(str(e) if isinstance(e, RingSpaceError) else f"vllm-tap: {e}") from None

@@ -23,6 +23,8 @@ from vllm_tap.hooks import support
 from vllm_tap.hooks.capture_core import CaptureCore, RankPlace
 from vllm_tap.hooks.publisher import make_publisher
 from vllm_tap.hooks.settings import TapConfigError, instance_name, server_config
+from vllm_tap.hooks.topology import home_writers, placement_of
+from vllm_tap.placement import encode as encode_placement
 from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_writer import RingWriter
 
@@ -43,8 +45,13 @@ def rank_place(layers: tuple[int, ...], vllm_config) -> RankPlace:
 
     tp, pp = ps.get_tp_group(), ps.get_pp_group()
     n_layers = vllm_config.model_config.hf_text_config.num_hidden_layers
+    pc = vllm_config.parallel_config
+    nodes = int(getattr(pc, "nnodes_within_dp", 1) or 1)
+    writers = None
+    if nodes > 1:  # an engine across hosts
+        writers = home_writers(tp.world_size, pp.world_size, (tp.world_size * pp.world_size) // nodes)
     return RankPlace(tp.rank_in_group, tp.world_size, pp.rank_in_group,
-                     tuple(stage_layers(layers, n_layers, s, pp.world_size) for s in range(pp.world_size)))
+                     tuple(stage_layers(layers, n_layers, s, pp.world_size) for s in range(pp.world_size)), writers)
 
 
 def open_ring(cfg, vllm_config, place: RankPlace) -> RingWriter:
@@ -52,7 +59,8 @@ def open_ring(cfg, vllm_config, place: RankPlace) -> RingWriter:
     path = ring_path(cfg.shm_dir, instance_name(cfg, vllm_config), place.rank)
     try:
         return RingWriter(path, cfg.ring_bytes, rank=place.rank, world_size=place.world_size,
-                          mode=0o660 if cfg.group else 0o600, group=cfg.group, block_timeout=cfg.block_timeout_s)
+                          mode=0o660 if cfg.group else 0o600, group=cfg.group, block_timeout=cfg.block_timeout_s,
+                          placement=encode_placement(placement_of(cfg, vllm_config, place)))
     except TapConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - whatever it is, it is a start-up failure, in one line
@@ -98,9 +106,11 @@ def setup(runner, *, v2: bool) -> CaptureCore | None:
         # IntermediateTensors, where the execute_model wrapper takes them out.
         model.set_aux_hidden_state_layers(place.layers)
         runner.use_aux_hidden_state_outputs = place.is_last_stage and bool(place.layers)
-    log.info("vllm-tap ring %s of %d MiB (tp rank %d/%d, pp stage %d/%d, %s runner; new captures shed while over "
-             "%.0f%% unread)", writer.path, writer.capacity >> 20, place.tp_rank, place.tp_size, place.pp_rank,
-             place.pp_size, "V2" if v2 else "V1", 100 * cfg.shed_at)
+    log.info("vllm-tap ring %s of %d MiB (tp rank %d/%d, pp stage %d/%d, %s, %s runner; new captures shed while "
+             "over %.0f%% unread)", writer.path, writer.capacity >> 20, place.tp_rank, place.tp_size, place.pp_rank,
+             place.pp_size, f"writes share {place.share + 1} of {place.shares}" if place.share is not None
+             else "writes nothing: its stage's ranks on the engine's home host do", "V2" if v2 else "V1",
+             100 * cfg.shed_at)
     return core
 
 

@@ -54,7 +54,7 @@ class Core(Protocol):
     device: torch.device
     step: int
     steady_steps: int
-    tp_size: int
+    shares: int  # writers of this rank's stage, among which the last dimension is split
     is_last_stage: bool
     max_record_bytes: int
     aux_index: dict[int, int]
@@ -114,7 +114,7 @@ class SteadyRecord:
             if p.what == "hidden":
                 i = core.aux_index[p.layer]
                 src, sl, full = core._shard(view.aux[i])
-                rec.states.append((i, len(sections) + 1, sl if core.tp_size > 1 else None))
+                rec.states.append((i, len(sections) + 1, sl if core.shares > 1 else None))
                 sections.append(section(hidden_id(p.layer), stored_dtype(src, p.to_f32), sl, full))
         rec.logits_fill = rec.topk = None
         rec.vocab = rec.logits_dtype = None
@@ -124,7 +124,7 @@ class SteadyRecord:
             stored = stored_dtype(ldtype, p.to_f32)
             if p.what == "logits":
                 sl = core.shard_of(vocab)
-                rec.logits_fill = (len(sections) + 1, sl if core.tp_size > 1 else None)
+                rec.logits_fill = (len(sections) + 1, sl if core.shares > 1 else None)
                 sections.append(section(LOGITS_ID, stored, sl, vocab))
                 continue
             # top-k or chosen ids: their ids, values and the row's logsumexp (k=1 for chosen ids: the

@@ -26,12 +26,30 @@ class RankPlace:
     """Where this worker sits: its tensor-parallel rank and the pipeline stage it runs.
 
     stage_layers[s]: the captured layers pipeline stage s computes (0, the embeddings, on the first
-    stage; layer i, the output of decoder layer i, on the stage that runs decoder layer i)."""
+    stage; layer i, the output of decoder layer i, on the stage that runs decoder layer i).
+    writers[s]: the tp ranks of stage s that write what the stage captures, each a share of the last
+    dimension (None: all of them). Every tp rank holds the whole logits and hidden states, so when a
+    stage's tp group spans hosts only its ranks on the engine's home host write, and no captured byte
+    has to cross to the home (hooks/runner_patch.rank_place)."""
 
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0
     stage_layers: tuple[tuple[int, ...], ...] = ((),)
+    writers: tuple[tuple[int, ...], ...] | None = None
+
+    def stage_writers(self, stage: int) -> tuple[int, ...]:
+        return tuple(range(self.tp_size)) if self.writers is None else self.writers[stage]
+
+    @property
+    def share(self) -> int | None:
+        """This rank's share among its stage's writers (None: it writes nothing)."""
+        w = self.stage_writers(self.pp_rank)
+        return w.index(self.tp_rank) if self.tp_rank in w else None
+
+    @property
+    def shares(self) -> int:
+        return len(self.stage_writers(self.pp_rank))
 
     @property
     def pp_size(self) -> int:

@@ -13,14 +13,15 @@ import struct
 
 import numpy as np
 
-RING_FORMAT_VERSION = 6  # 2: DATA records carry rows of several requests (a request table)
+RING_FORMAT_VERSION = 7  # 2: DATA records carry rows of several requests (a request table)
 # 3: request table entries also carry the capture's first expected position, tail length and source
 # 4: the reader's waiting flag (READER_WAITING_OFFSET): writers ring the doorbell only while it is set;
 #    LOGSUMEXP records beside top-k and chosen-index records
 # 5: a DATA record may carry several tensors of the same rows (sections, see body_layout): a step's
 #    states, or its logits parts, in one record. A record of one section is laid out as in 4.
 # 6: SHED records (a worker did not admit a capture: the daemon was behind); the captures_shed stat
-READABLE_VERSIONS = (4, 5, 6)  # the reader reads 4 as 5's one-section records; 5 is 6 without SHED
+# 7: the writer's placement in the header (PLACEMENT_OFFSET; vllm_tap/placement.py)
+READABLE_VERSIONS = (4, 5, 6, 7)  # 4 reads as 5's one-section records; 5 is 6 without SHED; 6 is 7 without placement
 RING_MAGIC = b"VLLMTAP\x00"
 RING_SUFFIX = ".ring"
 
@@ -63,6 +64,17 @@ READER_WAITING_OFFSET = 320
 # Reader liveness: pid and last poll time, so `status` can tell a stalled daemon.
 READER_OFFSET = 384
 _READER = struct.Struct("<IIQ")  # reader pid, pad, last_read_ns
+
+# Where the writer runs (format 7): a u32 length, then that many bytes of msgpack (vllm_tap/placement.py),
+# written once before the ring is renamed into place; length 0: not given.
+PLACEMENT_OFFSET = 1024
+PLACEMENT_MAX = HEADER_SIZE - PLACEMENT_OFFSET - 4
+_PLACEMENT_LEN = struct.Struct("<I")
+
+
+def placement_len_struct() -> struct.Struct:
+    return _PLACEMENT_LEN
+
 
 # The daemon's wake-up socket in the shm directory (vllm_tap.doorbell); the leading dot keeps it
 # out of the instance scan.

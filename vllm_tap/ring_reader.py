@@ -20,10 +20,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 
+from vllm_tap import placement
 from vllm_tap import ring_format as rf
 from vllm_tap import ring_schema
+from vllm_tap.placement import Placement
 from vllm_tap.ring_records import DataBatch, RingRecord
 from vllm_tap.ring_files import RingFormatError
 
@@ -41,6 +44,7 @@ class RingInfo:
     write_cursor: int
     read_cursor: int
     stats: dict[str, int]
+    placement: Placement | None = None  # where the writer runs (format 7; None before)
 
     @property
     def backlog_bytes(self) -> int:
@@ -101,6 +105,21 @@ def allocated_enough(st: os.stat_result, write_cursor: int, capacity: int) -> bo
     return st.st_blocks * 512 + _PAGE >= min(st.st_size, written) // 2
 
 
+def _placement(path: str, head: bytes) -> Placement | None:
+    """The writer's placement in a format-7 header (None when it gave none); RingFormatError when
+    the bytes there are not one (a ring file is untrusted)."""
+    (n,) = rf.placement_len_struct().unpack_from(head, rf.PLACEMENT_OFFSET)
+    if n == 0:
+        return None
+    if n > rf.PLACEMENT_MAX:
+        raise RingFormatError(f"{path}: placement of {n} bytes (at most {rf.PLACEMENT_MAX})")
+    at = rf.PLACEMENT_OFFSET + 4
+    try:
+        return placement.decode(head[at : at + n])
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise RingFormatError(f"{path}: bad placement ({e})") from None
+
+
 class RingReader:
     """The consumer side: copies records out with pread and persists the read cursor in the file."""
 
@@ -130,6 +149,7 @@ class RingReader:
                 raise RingFormatError(f"{path}: inconsistent header (size {st.st_size}, capacity {capacity})")
             if not -1 <= rank < 0xFFFF or not 0 < world <= 0xFFFF:
                 raise RingFormatError(f"{path}: inconsistent header (rank {rank} of {world})")
+            placement = _placement(path, head) if version >= 7 else None
             read = int.from_bytes(head[rf.READ_CURSOR_OFFSET : rf.READ_CURSOR_OFFSET + 8], "little")
             write = int.from_bytes(head[rf.WRITE_CURSOR_OFFSET : rf.WRITE_CURSOR_OFFSET + 8], "little")
             if require_allocated and not allocated_enough(st, write, capacity):
@@ -147,6 +167,7 @@ class RingReader:
         self.writer_pid = pid
         self.rank = rank
         self.world_size = world
+        self.placement = placement
         self._writable = writable
         self._r = read
         self.written = read  # the writer's cursor as the last poll found it (before reading)
@@ -270,7 +291,7 @@ class RingReader:
         write = int.from_bytes(head[rf.WRITE_CURSOR_OFFSET : rf.WRITE_CURSOR_OFFSET + 8], "little")
         read = int.from_bytes(head[rf.READ_CURSOR_OFFSET : rf.READ_CURSOR_OFFSET + 8], "little")
         return RingInfo(self.path, self.rank, self.world_size, self.capacity, self.epoch, self.writer_pid,
-                        write, read, stats)
+                        write, read, stats, self.placement)
 
     def writer_alive(self) -> bool:
         try:

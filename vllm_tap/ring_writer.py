@@ -180,9 +180,12 @@ class RingWriter:
         wake_daemon: bool = True,
         max_backlog_records: int = MAX_BACKLOG_RECORDS,
         max_backlog_bytes: int = MAX_BACKLOG_BYTES,
+        placement: bytes = b"",
     ):
         if capacity < 4 * rf.ALIGN or capacity % rf.ALIGN:
             raise ValueError(f"ring capacity must be a multiple of {rf.ALIGN} and at least {4 * rf.ALIGN}")
+        if len(placement) > rf.PLACEMENT_MAX:
+            raise ValueError(f"a ring's placement holds at most {rf.PLACEMENT_MAX} bytes, got {len(placement)}")
         self.path = path
         self.capacity = capacity
         self.rank = rank
@@ -227,6 +230,9 @@ class RingWriter:
             self._mm, rf.IDENT_OFFSET, rf.RING_MAGIC, rf.RING_FORMAT_VERSION, rf.HEADER_SIZE,
             capacity, self.epoch, os.getpid(), rank, world_size, 0,
         )
+        rf.placement_len_struct().pack_into(self._mm, rf.PLACEMENT_OFFSET, len(placement))
+        at = rf.PLACEMENT_OFFSET + 4
+        self._mm[at : at + len(placement)] = placement
         os.rename(tmp, path)
         self._write = _Cursor(self._buf, rf.WRITE_CURSOR_OFFSET)
         self._read = _Cursor(self._buf, rf.READ_CURSOR_OFFSET)

@@ -94,8 +94,8 @@ def test_concurrent_batch_matches_vllm_logprobs_and_transformers(stack):
         for layer, h in cap.hidden.items():
             assert np.abs(h - hf_hidden[layer]).max() <= TOL, f"layer {layer}"
         assert sorted(cap.hidden) == list(range(SPEC.num_layers + 1))
-    # The worker writes a step's hidden states and its logits as two records; the daemon read them
-    # together, whole, and delivered (most of) these captures' steps straight from them.
+    # The worker writes a decode step's hidden states and logits as one record (a prefill step's as
+    # two); the daemon read them whole and delivered (most of) these captures' steps straight from them.
     assert stack.client.status()["reassembly"]["direct"] > direct
     with pytest.raises(CaptureNotFound):
         stack.client.fetch(plain_id, timeout=1.5)
