@@ -60,12 +60,6 @@ class ReducerWeights:
     def name(self) -> str:
         return self.decl.name
 
-    @property
-    def nbytes(self) -> int:
-        """Device bytes of the weights (float32)."""
-        n = sum(w.numel() + b.numel() for w, b in self.layers)
-        return 4 * (n + (self.threshold.numel() if self.threshold is not None else 0))
-
 
 class _Refused(Exception):
     """What is wrong, to be prefixed by the setting's key."""
