@@ -18,9 +18,9 @@ is worked out once, when the batch changes (`SteadyRecord`), and a step only fil
 
 A step is one record: its hidden-state and reducer sections first (written when the runner has the
 layers' rows; a reducer runs on rows the record already holds in float32 when it can, else on its
-layer's, straight into its sections: hooks/reducer_ops.py), then its logits sections (written when the logits appear: V2 computes them later, inside sample()). Torch
-calls per step, counted by tests/hooks/test_hook_ops.py with the token ids on the device: full
-logits + 2 layers 5 on the step thread (4 gathers, the ring view) and the record's copy; top-20 8
+layer's, straight into its sections: hooks/reducer_ops.py), then its logits sections (written when
+the logits appear: V2 computes them later, inside sample()). Torch calls per step, counted by
+tests/hooks/test_hook_ops.py with the token ids on the device: full logits + 2 layers 5 on the step thread (4 gathers, the ring view) and the record's copy; top-20 8
 (the ids' gather, topk, the ids' copy to int32, the conversion to float32, log_softmax, gather,
 sub, the ring view) and the copy. (On CUDA the copy is issued from the step thread too; a float16
 model's log_softmax needs no conversion first.)
