@@ -74,6 +74,12 @@ def _summary(rec: Any) -> str:
         parts.append(f"top1={int(rec.topk_ids[0])}")
     for layer, h in sorted(rec.hidden.items()):
         parts.append(f"|h{layer}|={float(np.linalg.norm(h.astype(np.float64))):.3g}")
+    for name, r in sorted(getattr(rec, "reduced", {}).items()):
+        if hasattr(r, "ids"):  # an SAE's latents: how many are active, and the most active
+            active = r.ids[r.ids >= 0]
+            parts.append(f"{name}:{len(active)}" + (f"(top {int(active[0])}={float(r.values[0]):.3g})" if len(active) else ""))
+        else:  # a probe's scores
+            parts.append(f"{name}=" + ",".join(f"{float(v):.3g}" for v in r[:4]) + ("…" if len(r) > 4 else ""))
     return " ".join(parts)
 
 

@@ -7,6 +7,7 @@
         else:                      # a TokenRecord
             print(rec.position, rec.phase, rec.token_id, rec.logits.argmax())
     cap = client.fetch("my-request-id")   # everything stacked: cap.logits [T, V], cap.hidden {layer: [T, H]}
+    cap.reduced["toxicity"]                # a probe's scores [T, k]; an SAE's Latents (.ids, .values [T, k])
 
     for item in client.Client().watch(since=last_seq):   # every capture, in sequence order, resumable
         ...                        # WatchedCapture (item.seq, .begin, .capture, .end) or LostCaptures
@@ -24,7 +25,7 @@ from vllm_tap.client.errors import (
     AmbiguousCapture, CaptureEvicted, CaptureLost, CaptureNotFound, CaptureTimeout, DaemonStopped, DaemonUnavailable,
     KeyFileError, ProtocolError, Refused, TapError, TooSlow,
 )
-from vllm_tap.client.records import Capture, CaptureBegin, CaptureEnd, Chunk, Gap, TokenRecord
+from vllm_tap.client.records import Capture, CaptureBegin, CaptureEnd, Chunk, Gap, Latents, TokenRecord
 from vllm_tap.client.stream import ENDPOINT_ENV, resolve_endpoint
 from vllm_tap.client.sync import Client, Subscription
 from vllm_tap.client.watch import (
@@ -48,7 +49,8 @@ def status(timeout: float = 5.0) -> dict[str, Any]:
 __all__ = [
     "AmbiguousCapture", "AsyncClient", "AsyncSubscription", "Capture", "CaptureBegin", "CaptureEnd", "CaptureEvicted",
     "CaptureLost", "CaptureNotFound", "CaptureTimeout", "Chunk", "Client", "DaemonStopped", "DaemonUnavailable", "ENDPOINT_ENV", "Gap", "KeyFileError",
-    "ProtocolError", "Refused", "Subscription", "TapError", "TokenRecord", "TooSlow", "fetch", "resolve_endpoint", "status",
+    "Latents", "ProtocolError", "Refused", "Subscription", "TapError", "TokenRecord", "TooSlow", "fetch", "resolve_endpoint",
+    "status",
     "subscribe",
     # watch: every capture, resumable (vllm_tap.client.watch)
     "AsyncWatch", "DaemonStopping", "LostCaptures", "Watch", "WatchData", "WatchEnd", "WatchItem", "WatchRejected", "WatchStart",

@@ -30,6 +30,65 @@ def phase_of(position: int, num_prompt_tokens: int) -> str:
 
 
 @dataclass(frozen=True)
+class Latents:
+    """An SAE encoder's most active latents (a reducer, vllm_tap.reducers): for each position its k
+    slots, most active first. A slot that holds no active latent has id -1 and value 0."""
+
+    ids: np.ndarray  # int32 [..., k]
+    values: np.ndarray  # float32 [..., k]: the latents' activations
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: Any) -> "Latents":
+        return Latents(self.ids[i], self.values[i])
+
+    def active(self, i: int) -> dict[int, float]:
+        """Position row i's active latents: {id: activation}."""
+        keep = self.ids[i] >= 0
+        return dict(zip(self.ids[i][keep].tolist(), self.values[i][keep].tolist()))
+
+
+# What a reducer delivers per capture: a probe's scores (float32 [T, k]) or an SAE's Latents.
+Reduced = Union[np.ndarray, Latents]
+_REDUCED = {rf.TENSOR_NAMES[k] for k in rf.REDUCER_KINDS}
+
+
+def reducer_names(spec: dict[str, Any] | None) -> tuple[str, ...]:
+    """The reducers of a capture's spec (CaptureBegin.spec), in the order that numbers their tensors."""
+    names = (spec or {}).get("reducers") or ()
+    return tuple(n for n in names if isinstance(n, str))
+
+
+def _reducer_key(i: int, names: tuple[str, ...]) -> str:
+    # A capture whose spec the daemon never saw (it restarted mid-capture and the END did not come)
+    # still delivers its reducers' outputs, under their index.
+    return names[i] if 0 <= i < len(names) else f"#{i}"
+
+
+def _reduced(parts: dict[tuple[str, int], np.ndarray], names: tuple[str, ...]) -> dict[str, Reduced]:
+    out: dict[str, Reduced] = {}
+    for i in sorted({i for _, i in parts}):
+        probe, ids, values = (parts.get((b, i)) for b in ("probe", "latent_ids", "latent_values"))
+        if probe is not None:
+            out[_reducer_key(i, names)] = probe
+        elif ids is not None or values is not None:
+            like = ids if ids is not None else values
+            out[_reducer_key(i, names)] = Latents(
+                ids if ids is not None else np.full(like.shape, -1, np.int32),
+                values if values is not None else np.zeros(like.shape, np.float32))
+    return out
+
+
+def renamed(reduced: dict[str, Reduced], names: tuple[str, ...]) -> dict[str, Reduced]:
+    """Outputs keyed by index ("#i", their spec unknown when they arrived) under their names."""
+    if not names or not any(k.startswith("#") for k in reduced):
+        return reduced
+    return {(_reducer_key(int(k[1:]), names) if k.startswith("#") and k[1:].isdigit() else k): v
+            for k, v in reduced.items()}
+
+
+@dataclass(frozen=True)
 class TokenRecord:
     """One captured position. The logits at p give the distribution of token p+1."""
 
@@ -43,6 +102,7 @@ class TokenRecord:
     chosen: np.ndarray | None = None
     request_id: str = ""
     logsumexp: float | None = None  # of the whole logit row (top-k and chosen captures): logprob = logit - it
+    reduced: dict[str, Any] = field(default_factory=dict)  # reducer name -> probe scores [k] or Latents of [k]
     missing: ClassVar[bool] = False
 
 
@@ -70,6 +130,7 @@ class Chunk:
     topk_values: np.ndarray | None = None
     chosen: np.ndarray | None = None
     logsumexp: np.ndarray | None = None  # float32 [n]
+    reduced: dict[str, Reduced] = field(default_factory=dict)  # reducer name -> scores [n, k] or Latents
     missing: ClassVar[bool] = False
 
     def __len__(self) -> int:
@@ -85,8 +146,10 @@ class Chunk:
 
     @classmethod
     def from_tensors(cls, request_id: str, start: int, token_ids: np.ndarray, num_prompt_tokens: int,
-                     tensors: dict[str, np.ndarray]) -> "Chunk":
+                     tensors: dict[str, np.ndarray], reducers: tuple[str, ...] = ()) -> "Chunk":
+        """`reducers`: the capture spec's reducer names (reducer_names), which name its reducer tensors."""
         kw: dict[str, Any] = {"hidden": {}}
+        parts: dict[tuple[str, int], np.ndarray] = {}
         for name, arr in tensors.items():
             base, _, layer = name.partition(".")
             if base == rf.TENSOR_NAMES[rf.TensorKind.HIDDEN] and layer:
@@ -95,6 +158,10 @@ class Chunk:
                 kw[base] = arr
             elif base == "logsumexp":
                 kw[base] = arr.reshape(-1)  # [n, 1] on the wire
+            elif base in _REDUCED and layer.isdigit():
+                parts[(base, int(layer))] = arr
+        if parts:
+            kw["reduced"] = _reduced(parts, reducers)
         return cls(request_id, start, token_ids, num_prompt_tokens, **kw)
 
     def cut(self, from_position: int) -> "Chunk":
@@ -107,7 +174,7 @@ class Chunk:
 
         return Chunk(self.request_id, self.start + k, self.token_ids[k:], self.num_prompt_tokens, c(self.logits),
                      {l: a[k:] for l, a in self.hidden.items()}, c(self.topk_ids), c(self.topk_values), c(self.chosen),
-                     c(self.logsumexp))
+                     c(self.logsumexp), {name: r[k:] for name, r in self.reduced.items()})
 
     def rows(self) -> Iterator[TokenRecord]:
         for i in range(len(self)):
@@ -119,6 +186,7 @@ class Chunk:
                 None if self.topk_values is None else self.topk_values[i],
                 None if self.chosen is None else self.chosen[i], self.request_id,
                 None if self.logsumexp is None else float(self.logsumexp[i]),
+                {name: r[i] for name, r in self.reduced.items()},
             )
 
 
@@ -191,6 +259,9 @@ class Capture:
     source: str = "client"
     end_position: int | None = None
     logsumexp: np.ndarray | None = None  # float32 [T], top-k and chosen captures: logprob = logit - logsumexp
+    # The reducers' outputs by reducer name: a probe's scores (float32 [T, k]) or an SAE's Latents
+    # (ids int32 [T, k], -1 where a slot holds none; values float32 [T, k]).
+    reduced: dict[str, Reduced] = field(default_factory=dict)
 
     @property
     def phases(self) -> np.ndarray:
@@ -210,6 +281,11 @@ class Capture:
                 out[name] = a
         for layer, a in sorted(self.hidden.items()):
             out[f"hidden.{layer}"] = a
+        for name, r in sorted(self.reduced.items()):
+            if isinstance(r, Latents):
+                out[f"reduced.{name}.ids"], out[f"reduced.{name}.values"] = r.ids, r.values
+            else:
+                out[f"reduced.{name}"] = r
         return out
 
     def meta(self) -> dict[str, Any]:
@@ -251,6 +327,19 @@ def stack_rows(cs: list[Chunk], get) -> np.ndarray | None:
     return np.concatenate([p if p is not None else np.full(len(c), np.nan, np.float32) for p, c in zip(parts, cs)])
 
 
+def _stacked(parts: list, cs: list[Chunk]) -> np.ndarray | None:
+    """One array of every chunk's part, in order; a chunk without it (it should not happen within one
+    capture) gets fill rows (NaN, or -1 for integers), never shifted rows."""
+    have = [p for p in parts if p is not None]
+    if not have:
+        return None
+    if len(have) == len(parts):
+        return np.concatenate(have)
+    fill = np.nan if have[0].dtype.kind == "f" else -1
+    return np.concatenate([p if p is not None else np.full((len(c), have[0].shape[1]), fill, have[0].dtype)
+                           for p, c in zip(parts, cs)])
+
+
 class CaptureBuilder:
     """Collects chunks and gaps, then stacks them with one concatenation per array."""
 
@@ -270,19 +359,21 @@ class CaptureBuilder:
         token_ids = np.concatenate([c.token_ids for c in cs]).astype(np.int32) if cs else np.zeros(0, np.int32)
 
         def stack(get) -> np.ndarray | None:
-            parts = [get(c) for c in cs]
-            have = [p for p in parts if p is not None]
-            if not have:
-                return None
-            if len(have) == len(parts):
-                return np.concatenate(have)
-            # A tensor some chunks lack (should not happen within one capture): fill, never shift rows.
-            fill = np.nan if have[0].dtype.kind == "f" else -1
-            return np.concatenate([p if p is not None else np.full((len(c), have[0].shape[1]), fill, have[0].dtype)
-                                   for p, c in zip(parts, cs)])
+            return _stacked([get(c) for c in cs], cs)
 
         layers = sorted({l for c in cs for l in c.hidden})
         hidden = {l: stack(lambda c, l=l: c.hidden.get(l)) for l in layers}
+        names = reducer_names(begin.spec if begin is not None else None)
+        per_chunk = [renamed(c.reduced, names) for c in cs]
+        reduced: dict[str, Reduced] = {}
+        for name in sorted({n for r in per_chunk for n in r}):
+            got = [r.get(name) for r in per_chunk]
+            if any(isinstance(g, Latents) for g in got):
+                ids = _stacked([g.ids if isinstance(g, Latents) else None for g in got], cs)
+                values = _stacked([g.values if isinstance(g, Latents) else None for g in got], cs)
+                reduced[name] = Latents(ids, values)  # type: ignore[arg-type]
+            else:
+                reduced[name] = _stacked(got, cs)  # type: ignore[assignment]
         return Capture(
             end.request_id, end.instance, end.response_id, end.choice_index,
             end.num_prompt_tokens or (begin.num_prompt_tokens if begin else 0),
@@ -291,5 +382,5 @@ class CaptureBuilder:
             stack(lambda c: c.topk_ids), stack(lambda c: c.topk_values), stack(lambda c: c.chosen),
             end.reason, end.num_output_tokens, list(end.output_token_ids), PositionRanges(end.missing_positions.ranges)
             if isinstance(end.missing_positions, PositionRanges) else PositionRanges.of(end.missing_positions),
-            end.expected, end.source, end.end_position, stack_rows(cs, lambda c: c.logsumexp),
+            end.expected, end.source, end.end_position, stack_rows(cs, lambda c: c.logsumexp), reduced,
         )

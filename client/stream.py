@@ -24,7 +24,7 @@ from vllm_tap.client.arena import OVERWRITTEN, ArenaUse
 from vllm_tap.client.errors import (
     CaptureLost, CaptureNotFound, CaptureTimeout, DaemonStopped, DaemonUnavailable, ProtocolError, Refused, error_for,
 )
-from vllm_tap.client.records import CaptureBegin, CaptureEnd, Chunk, Gap, widen
+from vllm_tap.client.records import CaptureBegin, CaptureEnd, Chunk, Gap, reducer_names, widen
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +86,11 @@ def decode_end(h: dict[str, Any], missing: PositionRanges) -> CaptureEnd:
     )
 
 
-def decode_chunk(h: dict[str, Any], frames: Sequence[Any], arena: ArenaUse | None = None) -> Chunk | None:
-    """A tokens message's Chunk (arrays from its frames, or copied out of the daemon's arena); None
-    when its arena regions were reused before they were copied."""
+def decode_chunk(h: dict[str, Any], frames: Sequence[Any], arena: ArenaUse | None = None,
+                 begin: CaptureBegin | None = None) -> Chunk | None:
+    """A tokens message's Chunk (arrays from its frames, or copied out of the daemon's arena; its
+    reducers' outputs named by the capture's spec, from `begin`); None when its arena regions were
+    reused before they were copied."""
     try:
         if "arena" in h and arena is not None:
             tensors = arena.tensors(h)
@@ -105,7 +107,8 @@ def decode_chunk(h: dict[str, Any], frames: Sequence[Any], arena: ArenaUse | Non
         if len(a) != len(ids):
             raise ProtocolError(f"tokens message of {len(ids)} positions carries an array of {len(a)} rows")
     return Chunk.from_tensors(h["request_id"], int(h["start"]), ids, int(h.get("num_prompt_tokens", 0)),
-                              {n: widen(code, a) for n, (code, a) in tensors.items()})
+                              {n: widen(code, a) for n, (code, a) in tensors.items()},
+                              reducer_names(begin.spec) if begin is not None else ())
 
 
 class StreamState:
@@ -266,7 +269,7 @@ class StreamState:
         start, count, rid = int(h["start"]), int(h["count"]), h["request_id"]
         if self.next_position is not None and start + count <= self.next_position:
             return []
-        chunk = decode_chunk(h, frames, self.arena)
+        chunk = decode_chunk(h, frames, self.arena, self.begin)
         if chunk is None:  # copied too late: the daemon had reused the region
             at = start if self.next_position is None else max(start, self.next_position)
             self.lost = self.lost.union([range(at, start + count)])

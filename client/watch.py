@@ -302,7 +302,8 @@ class WatchState:
         if t == wf.BEGIN:
             return self._on_begin(seq, decode_begin(h))
         if t == wf.TOKENS:
-            chunk = decode_chunk(h, frames[1:], self.arena)
+            begin = self._cur_begin if self._cur_seq == seq else self._open.get(seq)
+            chunk = decode_chunk(h, frames[1:], self.arena, begin)
             if chunk is None:  # copied too late: the daemon had reused the region
                 start, stop = int(h["start"]), int(h["start"]) + int(h["count"])
                 self._overwritten[seq] = self._overwritten.get(seq, PositionRanges()).union([range(start, stop)])

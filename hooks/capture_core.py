@@ -70,9 +70,11 @@ import torch
 from vllm_tap.hooks import guard
 from vllm_tap.hooks.admission import Admission
 from vllm_tap.hooks.cost import StepCost
-from vllm_tap.hooks.parts import (CHOSEN_ID, LOGITS_ID, LSE_ID, TOPK_IDS_ID, TOPK_VALUES_ID, Part, hidden_id,
-                                  section, stored_dtype, tensor_ids, tensors_per_step)
+from vllm_tap.hooks.parts import (CHOSEN_ID, LOGIT_PARTS, LOGITS_ID, LSE_ID, STATE_PARTS, TOPK_IDS_ID,
+                                  TOPK_VALUES_ID, Part, hidden_id, reducer_ids, section, stored_dtype, tensor_ids,
+                                  tensors_per_step)
 from vllm_tap.hooks.publisher import DeviceIndices, Publisher, gather_rows, report_drop
+from vllm_tap.hooks.reducer_ops import DeviceReducer
 from vllm_tap.hooks.reductions import logsumexp_rows, topk_rows
 from vllm_tap.hooks.steady_step import SteadyRecord, SteadyStep
 from vllm_tap.hooks.step_view import RankPlace, StepView, host_ids, shard
@@ -212,7 +214,7 @@ class _DecodeLayout:
         for k, (part, sel) in enumerate(self.by_part):
             if len(sel) == n:
                 self.by_part[k] = (part, self.everyone)
-        self.wants_logits = any(part.what != "hidden" for part, _ in self.by_part)
+        self.wants_logits = any(part.what in LOGIT_PARTS for part, _ in self.by_part)
         self.steady: SteadyRecord | None = None
         self.steady_tried = False
         if n:
@@ -299,6 +301,15 @@ class _Reduced:
         return lambda t: t.index_select(0, pick)
 
 
+def _rows_source(src: torch.Tensor, flat: np.ndarray, to_device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(tensor, index) of src's rows `flat` as DeviceReducer.run_rows takes them: a slice and no index
+    when they are one run (a decode batch, a prefill chunk), else src and the rows on its device."""
+    a, b = int(flat[0]), int(flat[-1])
+    if b - a + 1 == len(flat):
+        return src[a:b + 1], None
+    return src, to_device(np.ascontiguousarray(flat, dtype=np.int64))
+
+
 def _rows_within(block: np.ndarray, sub: np.ndarray) -> np.ndarray:
     """Indices into `block`'s rows of `sub`'s rows (row tables: slot, position, id); every row of
     sub is in block. Vectorised: a row is its (slot, position)."""
@@ -313,7 +324,10 @@ class CaptureCore:
 
     def __init__(self, writer: RingWriter, place: RankPlace, publisher: Publisher, *,
                  model_dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-                 max_record_bytes: int | None = None, shed_at: float = DEFAULT_SHED_AT):
+                 max_record_bytes: int | None = None, shed_at: float = DEFAULT_SHED_AT,
+                 reducers: dict[str, DeviceReducer] | None = None, reducer_layers: dict[str, int] | None = None):
+        """reducers: those this rank runs (on tensor-parallel rank 0 of the stage holding their layer),
+        by name; reducer_layers: every reducer the server declares, by name, with the layer it reads."""
         self.writer = writer
         self.admission = Admission(writer, shed_at)
         self.place = place
@@ -333,6 +347,8 @@ class CaptureCore:
         self.is_last_stage = place.is_last_stage
         self.layers = place.layers
         self.aux_index = {layer: i for i, layer in enumerate(self.layers)}
+        self.reducers = dict(reducers or {})
+        self.reducer_layers = dict(reducer_layers or {r.name: r.layer for r in self.reducers.values()})
         # A step's rows of one tensor share a record up to this size; beyond it they are split by
         # request, so one huge batch (many prefill chunks of full logits) cannot outgrow the ring.
         self.max_record_bytes = max_record_bytes or max(writer.capacity // 8, 1 << 16)
@@ -405,6 +421,14 @@ class CaptureCore:
                     out.append(Part("chosen", to_f32, indices=tuple(spec.indices)))
             if self.share is not None:
                 out.extend(Part("hidden", to_f32, layer=x) for x in spec.layers if x in self.aux_index)
+            for slot, name in enumerate(spec.reducers):
+                red = self.reducers.get(name)
+                if red is not None and red.layer in self.aux_index:
+                    out.append(Part("latents" if red.latents else "probe", layer=red.layer, reducer=name, slot=slot))
+                elif name not in self.reducer_layers:
+                    # The API process checked the name against the same settings: it should not happen.
+                    guard.errors().error(f"capture spec naming reducer {name!r}",
+                                         KeyError(f"no reducer {name!r} is declared"))
             got = self._parts[spec] = tuple(out)
         return got
 
@@ -413,15 +437,17 @@ class CaptureCore:
 
         A stage whose part is sharded (full logits, hidden states) has all its writers write (every
         tp rank, or those on the engine's home host); a stage with only whole small tensors (top-k,
-        chosen indices) has just its first writer.
+        chosen indices, reducers' outputs) has just its first writer.
         """
         n = self._contributors.get(spec)
         if n is None:
             n = 0
             last = self.place.pp_size - 1
+            reads = {self.reducer_layers[r] for r in spec.reducers if r in self.reducer_layers}
             for s, layers in enumerate(self.place.stage_layers):
                 sharded = any(x in layers for x in spec.layers) or (s == last and spec.logits == LogitsMode.FULL)
-                whole = s == last and spec.logits in (LogitsMode.TOPK, LogitsMode.INDICES)
+                whole = (s == last and spec.logits in (LogitsMode.TOPK, LogitsMode.INDICES)) or \
+                    any(x in layers for x in reads)
                 n += len(self.place.stage_writers(s)) if sharded else int(whole)
             self._contributors[spec] = n
         return n
@@ -630,7 +656,7 @@ class CaptureStep:
         self.table = table
         self.by_part = by_part
         # Logits to write, or an extra lm-head pass to run (a collective) even with none to write.
-        self.wants_logits = (bool(extra_rows) or any(part.what != "hidden" for part, _ in by_part)
+        self.wants_logits = (bool(extra_rows) or any(part.what in LOGIT_PARTS for part, _ in by_part)
                              if wants_logits is None else wants_logits)
         self.logits_done = False
         self.logits_ns = 0  # host time of write_logits (the V2 adapter counts it in the step's cost)
@@ -639,16 +665,26 @@ class CaptureStep:
     # -- writing --
 
     def write_states(self) -> None:
-        """The hidden-state parts: one record per set of requests that asks for them (the usual case:
-        one record for the step), a section per layer."""
+        """The parts read from the layers' rows: one record per set of requests that asks for them (the
+        usual case: one record for the step), a section per layer, and per reducer output (a reducer runs
+        on its layer's rows here, into new tensors the record is then filled from)."""
         core = self.core
-        for sel, parts in _grouped(self.by_part, lambda what: what == "hidden"):
+        for sel, parts in _grouped(self.by_part, lambda what: what in STATE_PARTS):
             block, flat = self.rows.rows(sel)
             sections, fills = [], []
             for part in parts:
-                src, sl, full = core._shard(self.view.aux[core.aux_index[part.layer]])
-                sections.append(section(hidden_id(part.layer), stored_dtype(src, part.to_f32), sl, full))
-                fills.append([(src, flat)])
+                aux = self.view.aux[core.aux_index[part.layer]]
+                if part.what == "hidden":
+                    src, sl, full = core._shard(aux)
+                    sections.append(section(hidden_id(part.layer), stored_dtype(src, part.to_f32), sl, full))
+                    fills.append([(src, flat)])
+                    continue
+                red = core.reducers[part.reducer]
+                outs = red.new_outputs(len(flat), aux.device)
+                red.run_rows(*_rows_source(aux, flat, core.to_device), outs)
+                for tid, out in zip(reducer_ids(part), outs):
+                    sections.append(section(tid, out.dtype, (0, red.width), red.width))
+                    fills.append([(out, None)])
             self._write(sections, fills, block, flat)
 
     def write_logits(self, logits: torch.Tensor | None) -> None:
@@ -668,7 +704,7 @@ class CaptureStep:
             extra = self.view.compute_logits(gather_rows(self.view.hidden, idx, core.to_device))
         small = [(part, sel) for part, sel in self.by_part if part.what in ("topk", "chosen")]
         reduced = _Reduced(self, small, logits, extra) if small else None
-        for sel, parts in _grouped(self.by_part, lambda what: what != "hidden"):
+        for sel, parts in _grouped(self.by_part, lambda what: what in LOGIT_PARTS):
             block, flat, segments = self._segments(sel, logits, extra)
             sections, fills = [], []
             lse = None
@@ -736,7 +772,7 @@ class CaptureStep:
         for part, sel in self.by_part:
             if not which(part):
                 continue
-            block = self.rows.rows(sel)[0] if part.what == "hidden" else self.rows.logit_rows(sel)[0]
+            block = self.rows.rows(sel)[0] if part.what in STATE_PARTS else self.rows.logit_rows(sel)[0]
             for tid in tensor_ids(part):
                 report_drop(core.writer, self.table, block, tid)
 
@@ -746,7 +782,7 @@ class CaptureStep:
         if self.wants_logits and not self.logits_done and self.core.is_last_stage:
             # The runner never produced this step's logits (it should not happen): say so.
             self.logits_done = True
-            self._report_parts(lambda p: p.what != "hidden")
+            self._report_parts(lambda p: p.what in LOGIT_PARTS)
         self.core.publisher.end_step()
         self.closed = True  # only now: if publishing failed, abandon() still gives the records up
         self.core.writer.flush()

@@ -1,7 +1,8 @@
 """What a capture asks of one rank each step, in the words of its ring records.
 
 A `Part` is one kind of record content a request's spec asks this rank for (full logits, top-k,
-chosen logits, one layer's hidden states); requests with equal parts share records. A part is
+chosen logits, one layer's hidden states, one reducer's output); requests with equal parts share
+records. A part is
 written as one or more sections (tensors) of a DATA record: `tensor_ids(part)` names them, and
 `section(...)` describes one as the publisher and the ring writer take it.
 """
@@ -21,11 +22,18 @@ class Part(NamedTuple):
     """One kind of content a spec asks of this rank each step. (A tuple: it is a dict key when a
     step is planned, and tuples hash in C.)"""
 
-    what: str  # "logits" | "topk" | "chosen" | "hidden"
+    what: str  # "logits" | "topk" | "chosen" | "hidden" | "probe" | "latents" (the last two: a reducer's)
     to_f32: bool = False
-    layer: int = -1
+    layer: int = -1  # hidden states: the layer; a reducer: the layer it reads
     topk: int = 0
     indices: tuple[int, ...] = ()
+    reducer: str = ""  # a reducer's name (vllm_tap.reducers) ...
+    slot: int = -1  # ... and its index in the request's spec, which numbers its tensors
+
+
+# Parts written from the layers' rows (the step's states phase), and from the logits.
+STATE_PARTS = frozenset({"hidden", "probe", "latents"})
+LOGIT_PARTS = frozenset({"logits", "topk", "chosen"})
 
 
 LOGITS_ID = TensorId(rf.TensorKind.LOGITS)
@@ -46,9 +54,20 @@ def hidden_id(layer: int) -> TensorId:
     return tid
 
 
+def reducer_ids(part: Part) -> tuple[TensorId, ...]:
+    """A reducer part's tensors: an SAE's latent ids and values, or a probe's scores."""
+    if part.what == "latents":
+        return (TensorId(rf.TensorKind.LATENT_IDS, part.slot), TensorId(rf.TensorKind.LATENT_VALUES, part.slot))
+    return (TensorId(rf.TensorKind.PROBE, part.slot),)
+
+
 def tensor_ids(part: Part) -> tuple[TensorId, ...]:
     """The tensors (record sections) a part is written as."""
-    return (hidden_id(part.layer),) if part.what == "hidden" else _LOGIT_TENSORS[part.what]
+    if part.what == "hidden":
+        return (hidden_id(part.layer),)
+    if part.what in LOGIT_PARTS:
+        return _LOGIT_TENSORS[part.what]
+    return reducer_ids(part)
 
 
 def tensors_per_step(parts: tuple[Part, ...]) -> int:

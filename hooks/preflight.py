@@ -3,9 +3,12 @@
 Run from startup.py once vLLM has built its config, so a server that cannot capture fails in
 seconds with one line (and offline `LLM(...)` raises TapConfigError) instead of after every
 worker has loaded the model:
-  - hidden-state layers need the model's auxiliary hidden-state outputs (the EAGLE-3 interface):
-    the model class is resolved through vLLM's model registry, which imports its module but loads
-    no weights;
+  - hidden-state layers (captured, or read by a reducer) need the model's auxiliary hidden-state
+    outputs (the EAGLE-3 interface): the model class is resolved through vLLM's model registry,
+    which imports its module but loads no weights;
+  - every declared reducer's files are read as far as their headers and checked against the
+    model's hidden size (hooks/reducer_files.py): a missing or malformed file, or a shape that does
+    not fit, stops start-up with one line naming the reducer's setting;
   - the shm directory is made, or checked when it exists, by the rings' rules (not a link, not
     someone else's, not open to others): a squatted directory stops start-up here;
   - the rings are reserved whole when created (RingWriter), so the shm directory's file system
@@ -34,6 +37,7 @@ def check(vllm_config, cfg: ServerCaptureConfig | None) -> None:
     if cfg is None:
         return
     check_model(vllm_config, cfg)
+    check_reducers(vllm_config, cfg)
     check_shm_dir(cfg)
     if cfg.ring_auto:
         pc = vllm_config.parallel_config
@@ -53,8 +57,19 @@ def check_shm_dir(cfg: ServerCaptureConfig) -> None:
         raise TapConfigError(f"vllm-tap: cannot make the shm directory {cfg.shm_dir}: {e}") from None
 
 
+def check_reducers(vllm_config, cfg: ServerCaptureConfig) -> None:
+    if not cfg.reducers:
+        return
+    from vllm_tap.hooks import reducer_files
+
+    hidden = int(vllm_config.model_config.get_hidden_size())
+    for r in reducer_files.check_all(cfg.reducers, hidden):
+        log.info("vllm-tap: reducer %r (%s) on layer %d writes %d %s per token", r.name, r.decl.kind, r.decl.layer,
+                 r.width, "latents (id, value)" if r.decl.writes_latents else "scores")
+
+
 def check_model(vllm_config, cfg: ServerCaptureConfig) -> None:
-    if not cfg.layers:
+    if not cfg.aux_layers:
         return
     try:
         from vllm.model_executor.model_loader.utils import get_model_architecture

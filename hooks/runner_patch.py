@@ -8,6 +8,12 @@ hooks. The V1 and V2 runners both read `use_aux_hidden_state_outputs` after load
 execute time, V2 when it captures graphs and at execute time), and neither uses the aux outputs for
 anything else when there is no speculator (which the tap refuses).
 
+The layers made aux outputs are those requests may capture and those the declared reducers read.
+Tensor-parallel rank 0 of the stage holding a reducer's layer loads it (hidden states are replicated
+across the ranks of a stage, so one rank's rows are everyone's) here too, inside load_model, like
+the staging buffer: vLLM profiles the device's memory after load_model returns, so what is
+allocated here is counted as taken before it sizes the KV cache (hooks/reducer_ops.py).
+
 The per-runner parts (which methods are wrapped, how a step's view is built) are in runner_v1.py
 and runner_v2.py; the capture itself is the runner-neutral hooks/capture_core.py.
 """
@@ -22,9 +28,11 @@ import torch
 from vllm_tap.hooks import support
 from vllm_tap.hooks.capture_core import CaptureCore, RankPlace
 from vllm_tap.hooks.publisher import make_publisher
+from vllm_tap.hooks.reducer_ops import DeviceReducer
 from vllm_tap.hooks.settings import TapConfigError, instance_name, server_config
 from vllm_tap.hooks.topology import home_writers, placement_of
 from vllm_tap.placement import encode as encode_placement
+from vllm_tap.spec import SERVER_CONFIG_KEY
 from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_writer import RingWriter
 
@@ -73,7 +81,8 @@ def setup(runner, *, v2: bool) -> CaptureCore | None:
     cfg = server_config(vc)
     if cfg is None:
         return None
-    bad = support.unsupported_features(vc, cfg.layers, support.vllm_version())
+    aux_layers = cfg.aux_layers
+    bad = support.unsupported_features(vc, aux_layers, support.vllm_version())
     if v2 and getattr(runner, "batch_sharder", None) is not None:
         bad.append("batch-sharded sampling")
     if v2 and getattr(runner, "pcp_manager", None) is not None:
@@ -82,25 +91,28 @@ def setup(runner, *, v2: bool) -> CaptureCore | None:
         raise TapConfigError(f"vllm-tap: not supported with the tap enabled ({'V2' if v2 else 'V1'} model "
                              f"runner): {bad[0]}")
     model = runner.get_model()
-    if cfg.layers:
+    if aux_layers:
         from vllm.model_executor.models.interfaces import supports_eagle3
 
         if not supports_eagle3(model):
             raise TapConfigError(
                 f"vllm-tap: {type(model).__name__} has no auxiliary hidden-state outputs (the EAGLE-3 "
-                "interface), so its hidden states cannot be captured; set \"layers\": \"none\" for logits only"
+                "interface), so its hidden states cannot be captured or reduced; set \"layers\": \"none\" and "
+                "declare no reducers for logits only"
             )
-    place = rank_place(cfg.layers, vc)
-    writer = open_ring(cfg, vc, place)
+    place = rank_place(aux_layers, vc)
     device = torch.device(runner.device)
+    reducers = load_reducers(cfg, vc, place, device)
+    writer = open_ring(cfg, vc, place)
     try:
         publisher = make_publisher(writer, device, cfg.ring_bytes)
     except Exception as e:  # noqa: BLE001
         writer.close(unlink=True)
         raise TapConfigError(f"vllm-tap: cannot set up copies into the ring: {e}".replace("\n", " ")) from None
     core = CaptureCore(writer, place, publisher, model_dtype=getattr(vc.model_config, "dtype", None), device=device,
-                       shed_at=cfg.shed_at)
-    if cfg.layers:
+                       shed_at=cfg.shed_at, reducers=reducers,
+                       reducer_layers={r.name: r.layer for r in cfg.reducers})
+    if aux_layers:
         # Each pipeline stage emits only the layers it computes. The runner unpacks aux outputs on
         # the last stage once the flag is set; earlier stages return theirs inside
         # IntermediateTensors, where the execute_model wrapper takes them out.
@@ -112,6 +124,32 @@ def setup(runner, *, v2: bool) -> CaptureCore | None:
              else "writes nothing: its stage's ranks on the engine's home host do", "V2" if v2 else "V1",
              100 * cfg.shed_at)
     return core
+
+
+def load_reducers(cfg, vllm_config, place: RankPlace, device: torch.device) -> dict[str, DeviceReducer]:
+    """The reducers this rank runs, on its device: those whose layer its stage computes, on its
+    stage's first writer (tensor-parallel rank 0, on the engine's home host when the stage spans
+    hosts). Start-up stops (TapConfigError, one line) on a file that cannot be used."""
+    if not cfg.reducers or place.share != 0:
+        return {}
+    from vllm_tap.hooks import reducer_files
+
+    hidden = int(vllm_config.model_config.get_hidden_size())
+    rows = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 8192)
+    out = {}
+    for decl in cfg.reducers:
+        if decl.layer not in place.layers:
+            continue
+        weights = reducer_files.load(decl, hidden)
+        try:
+            red = out[decl.name] = DeviceReducer(weights, device, rows)
+        except Exception as e:  # noqa: BLE001 - out of device memory, say: a start-up failure, in one line
+            raise TapConfigError(f"vllm-tap: {SERVER_CONFIG_KEY}.reducers.{decl.name}: cannot place it on {device}: "
+                                 f"{e}".replace("\n", " ")) from None
+        log.info("vllm-tap: reducer %r (%s, layer %d, %d %s per token) on %s: %.1f MiB of weights and buffers, "
+                 "passes of up to %d rows", decl.name, decl.kind, decl.layer, red.width,
+                 "latents" if red.latents else "scores", device, red.nbytes / (1 << 20), red.rows)
+    return out
 
 
 def wrap_load(cls, *, v2: bool) -> None:

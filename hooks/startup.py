@@ -43,7 +43,7 @@ def patch_module(module) -> None:
             try:
                 cfg = server_config(config)
                 if cfg is not None:
-                    support.check_config(config, cfg.layers)
+                    support.check_config(config, cfg.aux_layers)
                     preflight.check(config, cfg)
                     log.info("vllm-tap: %s model runner", "V2" if support.uses_v2_runner(config) else "V1")
             except TapConfigError as e:

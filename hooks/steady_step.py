@@ -16,10 +16,11 @@ is worked out once, when the batch changes (`SteadyRecord`), and a step only fil
                 log_softmax, gather, sub (the row's logsumexp, as vLLM's logprobs compute it); and
                 under the staged publisher one device-to-host copy and one event for the record
 
-A step is one record: its hidden-state sections first (written when the runner has them), then its
-logits sections (written when the logits appear: V2 computes them later, inside sample()). Torch
-calls per step, counted by tests/hooks/test_hook_ops.py with the token ids on the device: full
-logits + 2 layers 5 on the step thread (4 gathers, the ring view) and the record's copy; top-20 8
+A step is one record: its hidden-state and reducer sections first (written when the runner has the
+layers' rows; a reducer runs on rows the record already holds in float32 when it can, else on its
+layer's, straight into its sections: hooks/reducer_ops.py), then its logits sections (written when
+the logits appear: V2 computes them later, inside sample()). Torch calls per step, counted by
+tests/hooks/test_hook_ops.py with the token ids on the device: full logits + 2 layers 5 on the step thread (4 gathers, the ring view) and the record's copy; top-20 8
 (the ids' gather, topk, the ids' copy to int32, the conversion to float32, log_softmax, gather,
 sub, the ring view) and the copy. (On CUDA the copy is issued from the step thread too; a float16
 model's log_softmax needs no conversion first.)
@@ -37,8 +38,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from vllm_tap.hooks.parts import (CHOSEN_ID, LOGITS_ID, LSE_ID, TOPK_IDS_ID, TOPK_VALUES_ID, hidden_id, section,
-                                  stored_dtype)
+from vllm_tap.hooks.parts import (CHOSEN_ID, LOGIT_PARTS, LOGITS_ID, LSE_ID, STATE_PARTS, TOPK_IDS_ID,
+                                  TOPK_VALUES_ID, hidden_id, reducer_ids, section, stored_dtype)
 from vllm_tap.hooks.publisher import report_drop
 from vllm_tap.hooks.reductions import log_softmax_f32, topk_into
 from vllm_tap.hooks.step_view import StepView
@@ -58,6 +59,7 @@ class Core(Protocol):
     is_last_stage: bool
     max_record_bytes: int
     aux_index: dict[int, int]
+    reducers: dict[str, Any]  # hooks/reducer_ops.py DeviceReducer by name
     logits_like: tuple[int, torch.dtype] | None
 
     def to_device(self, index: np.ndarray) -> torch.Tensor: ...
@@ -86,8 +88,8 @@ class SteadyRecord:
     """One batch's steady step, worked out when the batch last changed. `build` returns None when
     the batch cannot take the steady way (then the general path writes its steps)."""
 
-    __slots__ = ("core", "fixed", "table", "block", "n", "whole", "rows_dev", "states", "logits_fill", "topk",
-                 "vocab", "logits_dtype", "tids", "wants_logits", "device_ids")
+    __slots__ = ("core", "fixed", "table", "block", "n", "whole", "rows_dev", "states", "reducers", "logits_fill",
+                 "topk", "vocab", "logits_dtype", "tids", "wants_logits", "device_ids")
 
     @classmethod
     def build(cls, core: Core, table: RequestTable, by_part: list, block: np.ndarray, batch_rows: np.ndarray,
@@ -96,26 +98,38 @@ class SteadyRecord:
         if not n or any(len(sel) != n for _, sel in by_part):
             return None  # requests asking different tensors: several records a step
         parts = [p for p, _ in by_part]
-        logit_parts = [p for p in parts if p.what != "hidden"]
+        logit_parts = [p for p in parts if p.what in LOGIT_PARTS]
         if logit_parts and view.logits is not None:
             vocab, ldtype = view.logits.shape[-1], view.logits.dtype
         elif logit_parts:
             if core.logits_like is None:
                 return None  # no logits seen yet (V2 computes them later): their width is not known
             vocab, ldtype = core.logits_like
-        if any(p.what == "hidden" for p in parts) and view.aux is None:
+        if any(p.what in STATE_PARTS for p in parts) and view.aux is None:
             return None
         rec = cls.__new__(cls)
         rec.core, rec.table, rec.block, rec.n = core, table, block, n
         rec.whole = bool(batch_rows[0] == 0 and batch_rows[-1] == n - 1)  # rows 0..n-1: whole tensors
         rec.rows_dev = core.to_device(batch_rows)
-        sections, rec.states = [], []
+        sections, rec.states, rec.reducers = [], [], []
+        float_rows = {}  # layer -> the record's section holding its whole rows in float32 (a reducer's input)
         for p in parts:
             if p.what == "hidden":
                 i = core.aux_index[p.layer]
                 src, sl, full = core._shard(view.aux[i])
                 rec.states.append((i, len(sections) + 1, sl if core.shares > 1 else None))
-                sections.append(section(hidden_id(p.layer), stored_dtype(src, p.to_f32), sl, full))
+                stored = stored_dtype(src, p.to_f32)
+                if stored == torch.float32 and core.shares == 1:
+                    float_rows[p.layer] = len(sections) + 1
+                sections.append(section(hidden_id(p.layer), stored, sl, full))
+        for p in parts:
+            if p.what in STATE_PARTS and p.what != "hidden":
+                red = core.reducers[p.reducer]
+                outs = []
+                for tid, dtype in zip(reducer_ids(p), red.out_dtypes):
+                    outs.append(len(sections) + 1)
+                    sections.append(section(tid, dtype, (0, red.width), red.width))
+                rec.reducers.append((red, core.aux_index[p.layer], float_rows.get(p.layer), tuple(outs)))
         rec.logits_fill = rec.topk = None
         rec.vocab = rec.logits_dtype = None
         derive = None
@@ -205,6 +219,12 @@ class SteadyStep:
         for i, k, sl in rec.states:
             src = aux[i]
             _take(src if sl is None else src[:, sl[0]:sl[1]], dests[k], flat, whole)
+        # Each reducer on the rows just gathered when the record holds them in float32, else on its layer's.
+        for red, i, rows_at, outs in rec.reducers:
+            if rows_at is not None:
+                red.run_rows(dests[rows_at], None, [dests[k] for k in outs])
+            else:
+                red.run_rows(aux[i], None if whole else flat, [dests[k] for k in outs])
 
     def write_logits(self, logits: torch.Tensor | None) -> None:
         if self.logits_done or not self.rec.wants_logits:

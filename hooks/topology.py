@@ -43,13 +43,18 @@ def placement_of(cfg, vllm_config, place: RankPlace | None) -> Placement:
         address = get_ip()
     except Exception:  # noqa: BLE001 - only a label: the host name still tells hosts apart
         address = ""
-    nodes = int(getattr(pc, "nnodes_within_dp", 1) or 1)
-    node = int(getattr(pc, "node_rank_within_dp", 0) or 0)
-    tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
+
+    def setting(name: str, default):
+        value = getattr(pc, name, default)
+        return default if value is None else value
+
+    tp, pp = int(setting("tensor_parallel_size", 1)), int(setting("pipeline_parallel_size", 1))
     settings = (getattr(vllm_config, "additional_config", None) or {}).get(SERVER_CONFIG_KEY)
-    common = dict(host=socket.gethostname()[:256], address=address[:256], node_rank=node, nnodes=nodes,
-                  instance=instance_name(cfg, vllm_config), home=f"{pc.master_addr}:{pc.master_port}"[:256],
-                  world_size=tp * pp, dp_rank=int(pc.data_parallel_rank), dp_size=int(pc.data_parallel_size),
+    common = dict(host=socket.gethostname()[:256], address=address[:256],
+                  node_rank=int(setting("node_rank_within_dp", 0)), nnodes=int(setting("nnodes_within_dp", 1)),
+                  instance=instance_name(cfg, vllm_config),
+                  home=f"{setting('master_addr', '')}:{setting('master_port', 0)}"[:256], world_size=tp * pp,
+                  dp_rank=int(setting("data_parallel_rank", 0)), dp_size=int(setting("data_parallel_size", 1)),
                   tp_size=tp, pp_size=pp, settings=settings_hash(settings))
     if place is None:
         return Placement(engine=True, **common)

@@ -41,7 +41,8 @@ def patch_module(module) -> None:
         if self._vllm_tap is not None:
             self._vllm_tap_vocab = vllm_config.model_config.get_vocab_size()
             p = self._vllm_tap.policy
-            log.info("vllm-tap enabled: layers %s, instance %r%s", list(self._vllm_tap.layers), self._vllm_tap.instance,
+            log.info("vllm-tap enabled: layers %s, instance %r%s%s", list(self._vllm_tap.layers), self._vllm_tap.instance,
+                     f", reducers {list(self._vllm_tap.reducer_names)}" if self._vllm_tap.reducers else "",
                      f", policy: {p.share:.2%} of requests, {p.spec.to_meta()}, client options {p.client}" if p else "")
 
     @functools.wraps(orig_process)

@@ -32,7 +32,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import pyarrow as pa
 
 FORMAT_NAME = "vllm-tap-dataset"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: reducer columns (the layout's `reducers`)
+READABLE_VERSIONS = (1, 2)  # a version-1 dataset is a version-2 one without reducers
 
 MANIFEST_NAME = "manifest.json"
 WRITERS_DIR = "writers"
@@ -69,6 +70,13 @@ COL_TOPK_IDS = "topk_ids"  # [k] int32, by logit descending
 COL_TOPK_LOGITS = "topk_logits"  # [k] raw logits at topk_ids
 COL_CHOSEN_LOGITS = "chosen_logits"  # [m] raw logits at the dataset's chosen ids (metadata.logits.indices)
 COL_LOGSUMEXP = "logsumexp"  # float32: logprob(t) = logit(t) - logsumexp; null when the capture lacks it
+
+# -- reducer columns (vllm_tap.reducers), per reducer NAME, after the logits columns --
+REDUCED_PREFIX = "reduced."  # reduced.NAME: a probe's scores [k] float32
+# reduced.NAME.ids / reduced.NAME.values: an SAE's active latents, most active first, as variable-length
+# lists of int32 ids and float32 activations (the slots the server wrote -1 in are left out)
+REDUCED_PROBE = "probe"
+REDUCED_LATENTS = "latents"
 
 LOGITS_FULL = "full"
 LOGITS_TOPK = "topk"
@@ -146,12 +154,23 @@ class LogitsLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     indices: list[int] = []  # the chosen token ids (kind == indices)
 
 
+class ReducedLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    kind: str  # probe | latents
+    width: int  # a probe's scores; an SAE's latent slots per token (the most a row's lists hold)
+
+
+def reduced_columns(name: str, kind: str) -> list[str]:
+    base = REDUCED_PREFIX + name
+    return [base] if kind == REDUCED_PROBE else [f"{base}.ids", f"{base}.values"]
+
+
 class TensorLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Which tensor columns every row of the dataset has, and their sizes and value type."""
 
     layers: dict[str, int] = {}  # hook column name -> hidden size
     logits: LogitsLayout = LogitsLayout()
     dtype: str = "float32"  # value type of hidden and logit columns: float32 or float16
+    reducers: dict[str, ReducedLayout] = {}  # reducer name -> its output (format 2)
 
     def layer_numbers(self) -> list[int]:
         return sorted(layer_of(n) for n in self.layers)
@@ -167,12 +186,15 @@ class TensorLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             cols.append(COL_CHOSEN_LOGITS)
         if k != LOGITS_NONE:
             cols.append(COL_LOGSUMEXP)
+        for name, r in sorted(self.reducers.items()):
+            cols += reduced_columns(name, r.kind)
         return cols
 
     def describe(self) -> str:
         parts = [f"{n}[{h}]" for n, h in sorted(self.layers.items(), key=lambda kv: layer_of(kv[0]))]
         if self.logits.kind != LOGITS_NONE:
             parts.append(f"logits {self.logits.kind}[{self.logits.width}]")
+        parts += [f"{REDUCED_PREFIX}{n} {r.kind}[{r.width}]" for n, r in sorted(self.reducers.items())]
         return ", ".join(parts) + f" ({self.dtype})"
 
 
@@ -206,6 +228,13 @@ def row_schema(layout: TensorLayout) -> "pa.Schema":
         fields.append(pa.field(COL_CHOSEN_LOGITS, pa.list_(value, w), nullable=False))
     if k != LOGITS_NONE:
         fields.append(pa.field(COL_LOGSUMEXP, pa.float32(), nullable=True))
+    for name, r in sorted(layout.reducers.items()):
+        cols = reduced_columns(name, r.kind)
+        if r.kind == REDUCED_PROBE:
+            fields.append(pa.field(cols[0], pa.list_(pa.float32(), r.width), nullable=False))
+        else:
+            fields.append(pa.field(cols[0], pa.list_(pa.int32()), nullable=False))
+            fields.append(pa.field(cols[1], pa.list_(pa.float32()), nullable=False))
     return pa.schema(fields, metadata={b"vllm_tap.format": FORMAT_NAME.encode(),
                                        b"vllm_tap.format_version": str(FORMAT_VERSION).encode()})
 
@@ -323,8 +352,9 @@ def decode_manifest(data: bytes, where: str = "manifest") -> Manifest:
         raise ManifestError(f"{where}: not a vllm-tap manifest ({e})") from None
     if m.format != FORMAT_NAME:
         raise ManifestError(f"{where}: format {m.format!r} is not {FORMAT_NAME!r}")
-    if m.format_version != FORMAT_VERSION:
-        raise ManifestError(f"{where}: format version {m.format_version}; this vllm-tap reads version {FORMAT_VERSION}")
+    if m.format_version not in READABLE_VERSIONS:
+        raise ManifestError(f"{where}: format version {m.format_version}; this vllm-tap reads versions "
+                            f"{', '.join(map(str, READABLE_VERSIONS))}")
     if m.file_format not in FILE_FORMATS:
         raise ManifestError(f"{where}: file_format {m.file_format!r} is not one of {', '.join(FILE_FORMATS)}")
     return m

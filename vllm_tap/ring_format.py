@@ -20,8 +20,10 @@ RING_FORMAT_VERSION = 7  # 2: DATA records carry rows of several requests (a req
 # 5: a DATA record may carry several tensors of the same rows (sections, see body_layout): a step's
 #    states, or its logits parts, in one record. A record of one section is laid out as in 4.
 # 6: SHED records (a worker did not admit a capture: the daemon was behind); the captures_shed stat
-# 7: the writer's placement in the header (PLACEMENT_OFFSET; vllm_tap/placement.py)
-READABLE_VERSIONS = (4, 5, 6, 7)  # 4 reads as 5's one-section records; 5 is 6 without SHED; 6 is 7 without placement
+# 7: the writer's placement in the header (PLACEMENT_OFFSET; vllm_tap/placement.py); PROBE, LATENT_IDS and
+#    LATENT_VALUES tensors (reducers' outputs), numbered by their `layer` field
+READABLE_VERSIONS = (4, 5, 6, 7)  # 4 reads as 5's one-section records; 5 is 6 without SHED; 6 is 7 without
+#                                   placement and reducers' tensors
 RING_MAGIC = b"VLLMTAP\x00"
 RING_SUFFIX = ".ring"
 
@@ -120,6 +122,11 @@ class TensorKind(enum.IntEnum):
     CHOSEN = 5  # [n, len(indices)] logits at the request's chosen token indices
     LOGSUMEXP = 6  # [n, 1] float32: log sum exp of the whole raw logit row (format 4), written beside
     #                TOPK_* and CHOSEN so that logit - logsumexp is the exact log-probability
+    # A reducer's output (format 7). Their `layer` field is not a layer: it is the reducer's index in the
+    # capture spec's sorted reducers (vllm_tap.reducers), 0..MAX_REDUCERS-1.
+    PROBE = 7  # [n, k] float32: a probe's scores
+    LATENT_IDS = 8  # [n, k] int32: an SAE encoder's most active latents, most active first; -1: none in that slot
+    LATENT_VALUES = 9  # [n, k] float32: their activations (0 where the id is -1)
 
 
 # Names used in client records and on the wire for each tensor kind.
@@ -130,7 +137,14 @@ TENSOR_NAMES = {
     TensorKind.TOPK_VALUES: "topk_values",
     TensorKind.CHOSEN: "chosen",
     TensorKind.LOGSUMEXP: "logsumexp",
+    TensorKind.PROBE: "probe",
+    TensorKind.LATENT_IDS: "latent_ids",
+    TensorKind.LATENT_VALUES: "latent_values",
 }
+# The kinds whose `layer` field numbers the tensor (a layer, or a reducer's index in the spec): one
+# record may carry several of each, told apart by it.
+NUMBERED_KINDS = frozenset({TensorKind.HIDDEN, TensorKind.PROBE, TensorKind.LATENT_IDS, TensorKind.LATENT_VALUES})
+REDUCER_KINDS = frozenset({TensorKind.PROBE, TensorKind.LATENT_IDS, TensorKind.LATENT_VALUES})
 
 
 class DType(enum.IntEnum):

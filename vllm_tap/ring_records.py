@@ -15,17 +15,18 @@ from vllm_tap.ring_format import RecordKind, TensorKind, msgpack_array_header
 
 @dataclass(frozen=True)
 class TensorId:
-    """Which tensor a slice belongs to. `layer` is -1 for everything but HIDDEN."""
+    """Which tensor a slice belongs to. `layer` is the layer of HIDDEN, a reducer's index in the capture
+    spec for a reducer's tensors (PROBE, LATENT_*), and -1 for everything else."""
 
     kind: TensorKind
     layer: int = -1
 
     @property
     def name(self) -> str:
-        from vllm_tap.ring_format import TENSOR_NAMES
+        from vllm_tap.ring_format import NUMBERED_KINDS, TENSOR_NAMES
 
         base = TENSOR_NAMES[self.kind]
-        return f"{base}.{self.layer}" if self.kind == TensorKind.HIDDEN else base
+        return f"{base}.{self.layer}" if self.kind in NUMBERED_KINDS else base
 
 
 @dataclass(frozen=True)

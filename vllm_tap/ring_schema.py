@@ -55,6 +55,7 @@ MAX_RANKS = 1 << 16
 MAX_RANK_PARTS = 1 << 12
 MAX_FULL_DIM = 1 << 24
 MAX_LAYER = 1 << 15
+MAX_REDUCER_INDEX = 255  # a reducer tensor's index in its capture spec (vllm_tap.reducers.MAX_REDUCERS is less)
 MAX_SAMPLES = 1 << 16  # n of a request
 MAX_STEP = (1 << 63) - 1
 
@@ -220,7 +221,7 @@ _TENSOR_IDS: dict[tuple[int, int], TensorId] = {}
 
 
 def _tensor_id(kind: int, layer: int) -> TensorId:
-    key = (kind, layer if kind == rf.TensorKind.HIDDEN else -1)
+    key = (kind, layer if kind in rf.NUMBERED_KINDS else -1)
     tid = _TENSOR_IDS.get(key)
     if tid is None:
         tid = _TENSOR_IDS[key] = TensorId(rf.TensorKind(kind), key[1])
@@ -477,6 +478,11 @@ def _check_tensor(tensor: int, dtype: int, layer: int, s0: int, s1: int, full_di
         raise Rejected(f"slice [{s0}, {s1}) of {full_dim}")
     if tensor == rf.TensorKind.HIDDEN and not 0 <= layer <= MAX_LAYER:
         raise Rejected(f"hidden layer {layer}")
+    if tensor in rf.REDUCER_KINDS:
+        if not 0 <= layer <= MAX_REDUCER_INDEX:
+            raise Rejected(f"{rf.TENSOR_NAMES[rf.TensorKind(tensor)]} of reducer index {layer}")
+        if dtype != (rf.DType.INT32 if tensor == rf.TensorKind.LATENT_IDS else rf.DType.FLOAT32):
+            raise Rejected(f"{rf.TENSOR_NAMES[rf.TensorKind(tensor)]} of dtype code {dtype}")
 
 
 def data_layout(h: Header) -> tuple[int, int, int, int, int]:
@@ -519,7 +525,7 @@ def sections(mv: memoryview, h: Header, layout: tuple[int, int, int, int, int]) 
         _check_tensor(tensor, dtype, layer, s0, s1, full_dim)
     if entries[0][:3] + entries[0][4:7] != (h.tensor, h.dtype, h.layer, h.slice_start, h.slice_stop, h.full_dim):
         raise Rejected("section 0 differs from the record header")
-    if len({(e[0], e[2] if e[0] == rf.TensorKind.HIDDEN else -1) for e in entries}) != len(entries):
+    if len({(e[0], e[2] if e[0] in rf.NUMBERED_KINDS else -1) for e in entries}) != len(entries):
         raise Rejected("a tensor twice in one record")
     offsets, end = rf.section_offsets(layout[4], [n * (e[5] - e[4]) * _ITEMSIZE[e[1]] for e in entries])
     if [e[7] for e in entries] != offsets or end > h.total:

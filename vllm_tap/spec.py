@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 import msgspec
 
 from vllm_tap.defaults import DEFAULT_SHM_DIR
+from vllm_tap.reducers import MAX_REDUCERS, ReducerDecl, ReducerSettingError, check_name, parse_reducers
 from vllm_tap.ring_format import MAX_SPEC_BYTES
 from vllm_tap.windows import UNBOUNDED, SYNTAX_HELP, Window, shown
 
@@ -93,6 +94,9 @@ class CaptureSpec:
     dtype: DTypeMode = DTypeMode.AUTO
     key: str = ""
     source: str = SOURCE_CLIENT  # SOURCE_CLIENT: the request opted in; SOURCE_POLICY: the server's policy chose it
+    # Names of the server's reducers to run (vllm_tap.reducers), sorted: reducer i's output travels as
+    # the capture's reducer tensors of index i.
+    reducers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.positions, Window):
@@ -135,11 +139,14 @@ class CaptureSpec:
     # -- serialisation into extra_args and BEGIN/END records --
 
     def to_meta(self) -> dict[str, Any]:
-        return {
+        meta = {
             "logits": self.logits.value, "topk": self.topk, "indices": list(self.indices),
             "layers": list(self.layers), "positions": str(self.positions), "dtype": self.dtype.value,
             "key": self.key, "source": self.source,
         }
+        if self.reducers:  # absent otherwise: the spec of a capture without reducers reads as before them
+            meta["reducers"] = list(self.reducers)
+        return meta
 
     @classmethod
     def from_meta(cls, m: Any) -> "CaptureSpec":
@@ -163,8 +170,11 @@ class CaptureSpec:
             raise CaptureOptionError("capture spec: key too long or with a NUL")
         if raw.source not in SOURCES:
             raise CaptureOptionError(f"capture spec: source {raw.source[:32]!r}")
+        if len(raw.reducers) > MAX_REDUCERS or not all(check_name(r) for r in raw.reducers) \
+                or list(raw.reducers) != sorted(set(raw.reducers)):
+            raise CaptureOptionError(f"capture spec: reducers {raw.reducers[:4]}")
         return cls(logits, raw.topk, tuple(raw.indices), tuple(sorted(set(raw.layers))), window, dtype,
-                   raw.key, raw.source)
+                   raw.key, raw.source, tuple(raw.reducers))
 
 
 class _SpecMeta(msgspec.Struct):
@@ -178,6 +188,7 @@ class _SpecMeta(msgspec.Struct):
     dtype: str
     key: str = ""
     source: str = SOURCE_CLIENT
+    reducers: list[str] = []
 
 
 # -- options: per request (tap_*) and in the server's policy (vllm_tap.policy.*) --
@@ -192,8 +203,10 @@ OPTIONS = {
     "tap_positions": SYNTAX_HELP,
     "tap_dtype": "'auto' | 'float32'",
     "tap_key": f"a string of your choosing to subscribe by (at most {MAX_KEY_CHARS} characters)",
+    "tap_reducers": "a list of names of reducers the server declares (probes, SAE encoders); with it, tap_logits "
+                    "and tap_layers default to 'none'",
 }
-SPEC_FIELDS = ("logits", "topk", "indices", "layers", "positions", "dtype", "key")
+SPEC_FIELDS = ("logits", "topk", "indices", "layers", "positions", "dtype", "key", "reducers")
 
 
 def is_option_key(key: Any) -> bool:
@@ -228,13 +241,26 @@ def _int_list(name: str, value: Any, what: str) -> list[int]:
     return [_int(name, v, f"a list of {what}") for v in value]
 
 
+def _reducers(name: str, value: Any, server_reducers: tuple[str, ...]) -> tuple[str, ...]:
+    declared = f"this server declares {', '.join(repr(r) for r in server_reducers)}" if server_reducers else \
+        "this server declares none"
+    if not isinstance(value, (list, tuple)) or not value:
+        raise CaptureOptionError(f"{name}: expected a non-empty list of reducer names, got {shown(value)}; {declared}")
+    for r in value:
+        if r not in server_reducers:
+            raise CaptureOptionError(f"{name}: unknown reducer {shown(r)}; {declared}")
+    return tuple(sorted(set(value)))
+
+
 def parse_options(
     opts: Mapping[str, Any], server_layers: tuple[int, ...], vocab_size: int | None,
-    name: Callable[[str], str], source: str = SOURCE_CLIENT,
+    name: Callable[[str], str], source: str = SOURCE_CLIENT, server_reducers: tuple[str, ...] = (),
 ) -> CaptureSpec:
     """A spec from options keyed by SPEC_FIELDS (absent ones take their defaults). `name(field)`
-    is how errors name an option ('tap_layers', 'vllm_tap.policy.layers')."""
-    logits = _enum(name("logits"), opts.get("logits", "full"), LogitsMode)
+    is how errors name an option ('tap_layers', 'vllm_tap.policy.layers'). With reducers, logits and
+    layers default to none: a capture of a probe's scores is only them unless it asks for more."""
+    reducers = _reducers(name("reducers"), opts["reducers"], server_reducers) if "reducers" in opts else ()
+    logits = _enum(name("logits"), opts.get("logits", "none" if reducers else "full"), LogitsMode)
     topk = 0
     indices: tuple[int, ...] = ()
     if logits == LogitsMode.TOPK:
@@ -262,7 +288,7 @@ def parse_options(
         indices = tuple(idx)
     elif "indices" in opts:
         raise CaptureOptionError(f"{name('indices')}: only allowed with {name('logits')}='indices'")
-    layers_raw = opts.get("layers", "all")
+    layers_raw = opts.get("layers", "none" if reducers else "all")
     exposed = f"'all', 'none' or a list of the layer numbers this server exposes {list(server_layers)}"
     if isinstance(layers_raw, str):
         if layers_raw not in ("all", "none"):
@@ -286,9 +312,9 @@ def parse_options(
     key = opts.get("key", "")
     if not isinstance(key, str) or len(key) > MAX_KEY_CHARS or "\x00" in key:
         raise CaptureOptionError(f"{name('key')}: expected a string of at most {MAX_KEY_CHARS} characters, got {shown(key)}")
-    if logits == LogitsMode.NONE and not layers:
+    if logits == LogitsMode.NONE and not layers and not reducers:
         raise CaptureOptionError(f"{name('logits')}: 'none' with no layers captures nothing; ask for logits or {name('layers')}")
-    spec = CaptureSpec(logits, topk, indices, layers, positions, dtype, key, source)
+    spec = CaptureSpec(logits, topk, indices, layers, positions, dtype, key, source, reducers)
     size = len(msgspec.msgpack.encode(spec.to_meta()))
     if size > MAX_SPEC_BYTES:  # the bounds above keep it far below; a reader would refuse the capture
         raise CaptureOptionError(f"{name('indices' if indices else 'layers')}: the capture spec would take {size} "
@@ -336,7 +362,7 @@ def parse_capture_spec(
                 raise CaptureOptionError(f"tap: 0 (do not capture) together with {sorted(opts)[1]}; send one or the other")
             return None
     return parse_options({k[4:]: v for k, v in opts.items() if k != "tap"}, server.layers, vocab_size,
-                         lambda f: f"tap_{f}", SOURCE_CLIENT)
+                         lambda f: f"tap_{f}", SOURCE_CLIENT, server.reducer_names)
 
 
 # -- server settings --
@@ -373,6 +399,17 @@ class ServerCaptureConfig:
     ring_auto: bool = False
     steps_per_s: float = DEFAULT_STEPS_PER_S  # decode steps a second the operator expects (ring sizing)
     shed_at: float = DEFAULT_SHED_AT  # share of a worker's ring unread above which new captures are shed
+    reducers: tuple[ReducerDecl, ...] = ()  # probes and SAE encoders requests may name (vllm_tap.reducers)
+
+    @property
+    def reducer_names(self) -> tuple[str, ...]:
+        return tuple(r.name for r in self.reducers)
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """The layers whose hidden states the workers compute as extra outputs: those requests may
+        capture, and those a reducer reads."""
+        return tuple(sorted(set(self.layers) | {r.layer for r in self.reducers}))
 
     @classmethod
     def from_additional_config(
@@ -389,7 +426,7 @@ class ServerCaptureConfig:
         if not isinstance(raw, dict):
             raise CaptureOptionError(f"{SERVER_CONFIG_KEY}: expected an object of settings, got {shown(raw)}")
         known = {"layers", "instance", "shm_dir", "ring_bytes", "group", "block_timeout_s", "policy", "steps_per_s",
-                 "shed_at"}
+                 "shed_at", "reducers"}
         unknown = sorted(set(raw) - known, key=str)
         if unknown:
             raise CaptureOptionError(
@@ -431,7 +468,12 @@ class ServerCaptureConfig:
         block = raw.get("block_timeout_s", 0.0)
         if not isinstance(block, (int, float)) or isinstance(block, bool) or block < 0:
             raise CaptureOptionError(f"{SERVER_CONFIG_KEY}.block_timeout_s: expected seconds >= 0, got {shown(block)}")
-        policy = _parse_policy(raw["policy"], layers, vocab_size) if raw.get("policy") is not None else None
+        try:
+            reducers = parse_reducers(raw.get("reducers"), f"{SERVER_CONFIG_KEY}.reducers", num_layers)
+        except ReducerSettingError as e:
+            raise CaptureOptionError(str(e)) from None
+        policy = _parse_policy(raw["policy"], layers, vocab_size, tuple(r.name for r in reducers)) \
+            if raw.get("policy") is not None else None
         steps = raw.get("steps_per_s", DEFAULT_STEPS_PER_S)
         if not isinstance(steps, (int, float)) or isinstance(steps, bool) or not 1 <= steps <= 1e6:
             raise CaptureOptionError(f"{SERVER_CONFIG_KEY}.steps_per_s: expected decode steps a second from 1 to 1e6, "
@@ -441,10 +483,11 @@ class ServerCaptureConfig:
             raise CaptureOptionError(f"{SERVER_CONFIG_KEY}.shed_at: expected a share of the ring above 0 and at most 1, "
                                      f"got {shown(shed_at)}")
         return cls(layers, instance, shm_dir, ring_bytes, group, float(block), policy, ring_auto, float(steps),
-                   float(shed_at))
+                   float(shed_at), reducers)
 
 
-def _parse_policy(raw: Any, layers: tuple[int, ...], vocab_size: int | None) -> CapturePolicy:
+def _parse_policy(raw: Any, layers: tuple[int, ...], vocab_size: int | None,
+                  reducers: tuple[str, ...] = ()) -> CapturePolicy:
     where = f"{SERVER_CONFIG_KEY}.policy"
     if not isinstance(raw, dict):
         raise CaptureOptionError(f"{where}: expected an object of settings (share, client, {', '.join(SPEC_FIELDS)}), got {shown(raw)}")
@@ -461,7 +504,7 @@ def _parse_policy(raw: Any, layers: tuple[int, ...], vocab_size: int | None) -> 
     if client not in CLIENT_PRECEDENCE:
         raise CaptureOptionError(f"{where}.client: got {shown(client)}; allowed: {', '.join(repr(c) for c in CLIENT_PRECEDENCE)}")
     spec = parse_options({k: v for k, v in raw.items() if k in SPEC_FIELDS}, layers, vocab_size,
-                         lambda f: f"{where}.{f}", SOURCE_POLICY)
+                         lambda f: f"{where}.{f}", SOURCE_POLICY, reducers)
     return CapturePolicy(float(share), spec, client)
 
 

@@ -84,9 +84,10 @@ class _HashingFile:
 
 
 def _parquet_options(schema: pa.Schema, compression: str, tensor_compression: str = TENSOR_COMPRESSION) -> dict[str, Any]:
-    tensors = [f.name for f in schema if pa.types.is_fixed_size_list(f.type)]
-    floats = [f"{f.name}.list.element" for f in schema  # the leaf column of a fixed-size list
-              if pa.types.is_fixed_size_list(f.type) and pa.types.is_floating(f.type.value_type)]
+    # Tensor columns: fixed-size lists, and the variable-length lists of an SAE reducer's latents.
+    tensors = [f.name for f in schema if pa.types.is_fixed_size_list(f.type) or pa.types.is_list(f.type)]
+    floats = [f"{f.name}.list.element" for f in schema  # the leaf column of a list
+              if f.name in tensors and pa.types.is_floating(f.type.value_type)]
     keys = [f.name for f in schema if f.name not in tensors]
     leaves = [f"{f.name}.list.element" if f.name in tensors else f.name for f in schema]
     return {

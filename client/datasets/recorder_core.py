@@ -43,7 +43,7 @@ import numpy as np
 import pyarrow as pa
 
 from vllm_tap import dataset_format as df
-from vllm_tap.client.records import Capture, CaptureBegin
+from vllm_tap.client.records import Capture, CaptureBegin, Latents
 from vllm_tap.positions import PositionRanges
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,25 @@ def layout_of(capture: Capture, begin: CaptureBegin | None) -> df.TensorLayout:
         logits = df.LogitsLayout()
     arrays = [a for a in (capture.logits, capture.topk_values, capture.chosen, *capture.hidden.values()) if a is not None]
     dtype = "float16" if arrays and all(a.dtype == np.float16 for a in arrays) else "float32"
-    return df.TensorLayout(layers, logits, dtype)
+    return df.TensorLayout(layers, logits, dtype, _reduced_layout(capture))
+
+
+def _reduced_layout(capture: Capture) -> dict[str, df.ReducedLayout]:
+    """The capture's named reducers (one whose spec was never seen is keyed "#i": not a column)."""
+    out = {}
+    for name, r in sorted(getattr(capture, "reduced", {}).items()):
+        if not name.startswith("#"):
+            latents = isinstance(r, Latents)
+            out[name] = df.ReducedLayout(df.REDUCED_LATENTS if latents else df.REDUCED_PROBE,
+                                         int((r.ids if latents else r).shape[1]))
+    return out
+
+
+def _latent_lists(values: np.ndarray, keep: np.ndarray, value_type: pa.DataType) -> pa.Array:
+    """Each row's kept slots as one variable-length list (row-major: most active first)."""
+    offsets = np.zeros(len(keep) + 1, np.int32)
+    np.cumsum(keep.sum(axis=1), out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values[keep], type=value_type))
 
 
 def _fsl(values: np.ndarray, width: int, value_type: pa.DataType) -> pa.Array:
@@ -190,6 +208,17 @@ def rows_table(writer: str, seq: int, begin: CaptureBegin | None, cap: Capture, 
         cols.append(pa.array(np.asarray(lse[lo:hi], np.float32)) if lse is not None else pa.nulls(n, pa.float32()))
     if k != df.LOGITS_FULL and cap.logits is not None:
         extra += 1
+    reduced = getattr(cap, "reduced", {})
+    for name, r in sorted(layout.reducers.items()):
+        got = reduced[name]
+        if r.kind == df.REDUCED_PROBE:
+            cols.append(_fsl(np.asarray(got[lo:hi], np.float32), r.width, pa.float32()))
+        else:
+            ids, values = got.ids[lo:hi], got.values[lo:hi]
+            keep = ids >= 0
+            cols += [_latent_lists(ids.astype(np.int32, copy=False), keep, pa.int32()),
+                     _latent_lists(values.astype(np.float32, copy=False), keep, pa.float32())]
+    extra += len(set(reduced) - set(layout.reducers))
     return pa.Table.from_arrays(cols, schema=schema), extra
 
 
@@ -208,6 +237,10 @@ def check_fits(layout: df.TensorLayout, cap: Capture, begin: CaptureBegin | None
         return f"logits {have.logits.kind}[{have.logits.width}], the dataset {want.kind}[{want.width}]"
     if layout.dtype == "float16" and have.dtype != "float16":
         return "float32 values in a float16 dataset"
+    for name, r in layout.reducers.items():
+        got = have.reducers.get(name)
+        if got != r:
+            return f"no reducer {name}" if got is None else f"reducer {name} {got.kind}[{got.width}], the dataset {r.kind}[{r.width}]"
     return None
 
 
@@ -221,6 +254,8 @@ def _bytes_per_row(layout: df.TensorLayout) -> int:
         n += layout.logits.width * (v + 4) + 4
     elif k == df.LOGITS_INDICES:
         n += layout.logits.width * v + 4
+    for r in layout.reducers.values():
+        n += r.width * (4 if r.kind == df.REDUCED_PROBE else 8) + 8
     return n
 
 
@@ -267,6 +302,8 @@ class RecorderCore:
             if layout is not None:
                 if manifest.layout == unset:
                     manifest.layout = layout
+                    if layout.reducers:
+                        manifest.format_version = max(manifest.format_version, 2)
                 elif manifest.layout != layout:
                     raise df.ManifestError(f"the dataset has tensors {manifest.layout.describe()}, not {layout.describe()}")
             for k, v in (metadata or {}).items():
@@ -460,6 +497,8 @@ class RecorderCore:
 
     def _fix_layout(self, cap: Capture, begin: CaptureBegin | None) -> None:
         self.manifest.layout = layout_of(cap, begin)
+        if self.manifest.layout.reducers:  # reducer columns: readers of version 1 must refuse the dataset
+            self.manifest.format_version = max(self.manifest.format_version, 2)
         self.schema = df.row_schema(self.manifest.layout)
         if begin is not None and begin.spec:
             self.manifest.metadata.setdefault("capture_spec", begin.spec)

@@ -80,6 +80,14 @@ def test_a_good_data_record_decodes_with_its_table():
     assert r.positions.tolist() == [0, 1] and r.data.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
+def test_a_reducer_output_decodes_as_its_numbered_tensor():
+    (r,) = decode_record(_good_data(tensor=int(rf.TensorKind.PROBE), layer=3))
+    assert r.tensor.name == "probe.3" and r.data.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    (i,) = decode_record(_good_data(tensor=int(rf.TensorKind.LATENT_IDS), layer=0, dtype=int(rf.DType.INT32),
+                                    payload=np.array([[3, -1], [4, 5]], np.int32)))
+    assert i.tensor.name == "latent_ids.0" and i.data.tolist() == [[3, -1], [4, 5]]
+
+
 def test_control_records_decode_to_their_typed_meta_and_spec():
     spec = CaptureSpec(key="k", source="policy")
     (b,) = decode_record(control(rf.RecordKind.BEGIN, "r", {"spec": spec.to_meta(), "num_prompt_tokens": 3,
@@ -104,6 +112,9 @@ def test_control_records_decode_to_their_typed_meta_and_spec():
     ({"slice_start": 3, "slice_stop": 2}, "slice"),
     ({"slice_stop": 5, "full_dim": 4}, "slice"),
     ({"tensor": int(rf.TensorKind.HIDDEN), "layer": -5}, "hidden layer"),
+    ({"tensor": int(rf.TensorKind.PROBE), "layer": -1}, "probe of reducer index -1"),
+    ({"tensor": int(rf.TensorKind.LATENT_VALUES), "layer": 256}, "latent_values of reducer index 256"),
+    ({"tensor": int(rf.TensorKind.LATENT_IDS), "layer": 0}, "latent_ids of dtype code 1"),
     ({"n_rows": 1 << 30}, "cannot fit"),
     ({"payload_offset": 64}, "payload"),
     ({"meta_len": 1 << 30}, "request table of"),

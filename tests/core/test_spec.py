@@ -300,3 +300,47 @@ def test_policy_spec_takes_the_same_choices_as_a_request():
     spec = s.policy.spec
     assert (spec.logits, spec.indices, spec.layers, str(spec.positions), spec.dtype.value, spec.key, spec.source) == (
         LogitsMode.INDICES, (3, 5), (1, 3), "prompt[-8:]", "float32", "traffic", "policy")
+
+
+# -- reducers (vllm_tap.reducers): named by requests and by the policy --
+
+_REDUCERS = {"tox": {"kind": "linear", "layer": 2, "path": "/p/tox.safetensors"},
+             "sae": {"kind": "saelens", "layer": 3, "path": "/p/sae", "k": 32}}
+
+
+def test_tap_reducers_names_declared_reducers_and_alone_captures_only_them():
+    server = ServerCaptureConfig.from_additional_config({"vllm_tap": {"layers": [1, 2], "reducers": _REDUCERS}}, 4, VOCAB)
+    assert server.reducer_names == ("tox", "sae") and server.aux_layers == (1, 2, 3)
+    spec = parse_capture_spec({"tap_reducers": ["tox", "sae", "tox"]}, server, VOCAB)
+    assert spec.reducers == ("sae", "tox"), "sorted and unique: index i of the spec numbers reducer i's tensors"
+    assert spec.logits == LogitsMode.NONE and spec.layers == (), "logits and layers default to none with reducers"
+    both = parse_capture_spec({"tap_reducers": ["tox"], "tap_layers": "all", "tap_logits": "full"}, server, VOCAB)
+    assert both.layers == (1, 2) and both.logits == LogitsMode.FULL
+    assert CaptureSpec.from_meta(spec.to_meta()) == spec
+    assert "reducers" not in CaptureSpec().to_meta(), "a spec without reducers reads as before them"
+    for value, words in ((["nope"], "unknown reducer 'nope'; this server declares 'tox', 'sae'"),
+                         ("tox", "expected a non-empty list"), ([], "expected a non-empty list")):
+        with pytest.raises(CaptureOptionError) as e:
+            parse_capture_spec({"tap_reducers": value}, server, VOCAB)
+        assert str(e.value).startswith("tap_reducers: ") and words in str(e.value), e.value
+    with pytest.raises(CaptureOptionError, match="^tap_reducers: unknown reducer 'tox'; this server declares none"):
+        parse_capture_spec({"tap_reducers": ["tox"]}, SERVER, VOCAB)
+
+
+def test_the_policy_may_name_reducers_and_bad_ones_stop_start_up_naming_the_key():
+    cfg = ServerCaptureConfig.from_additional_config(
+        {"vllm_tap": {"reducers": _REDUCERS, "policy": {"share": 0.5, "reducers": ["sae"]}}}, 4, VOCAB)
+    assert cfg.policy.spec.reducers == ("sae",) and cfg.policy.spec.layers == ()
+    for settings, key in (({"reducers": _REDUCERS, "policy": {"share": 1, "reducers": ["x"]}}, "vllm_tap.policy.reducers"),
+                          ({"reducers": {"tox": {**_REDUCERS["tox"], "layer": 5}}}, "vllm_tap.reducers.tox.layer"),
+                          ({"reducers": ["tox"]}, "vllm_tap.reducers")):
+        with pytest.raises(CaptureOptionError) as e:
+            ServerCaptureConfig.from_additional_config({"vllm_tap": settings}, 4, VOCAB)
+        assert str(e.value).startswith(key + ":"), e.value
+
+
+@pytest.mark.parametrize("reducers", [["b", "a"], ["a", "a"], ["a.b"], ["x" * 65], list("abcdefghijklmnopqrstuvwxyzABCDEFGH"), [1]])
+def test_a_spec_whose_reducers_are_not_sorted_names_is_refused(reducers):
+    meta = {**CaptureSpec(logits=LogitsMode.NONE, layers=()).to_meta(), "reducers": reducers}
+    with pytest.raises(CaptureOptionError):
+        CaptureSpec.from_meta(meta)

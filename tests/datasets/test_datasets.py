@@ -267,6 +267,70 @@ def test_recorder_directory_pyarrow_and_hf(tmp_path) -> None:
     assert not os.path.exists(os.path.join(dest, "writers/w1/rows/w1-999999.parquet"))
 
 
+def _with_reducers(seq: int):
+    """A capture with a probe's scores and an SAE's latents (k = 6 slots, some -1: threshold mode)."""
+    begin, cap = make_capture(seq, layers=(), logits="none")
+    rng = np.random.default_rng(seq)
+    T = len(cap.positions)
+    from vllm_tap.client.records import Latents
+
+    ids = np.full((T, 6), -1, np.int32)
+    values = np.zeros((T, 6), np.float32)
+    for t in range(T):
+        n = int(rng.integers(0, 7))
+        ids[t, :n] = rng.choice(1000, n, replace=False)
+        values[t, :n] = np.sort(rng.random(n).astype(np.float32) + 0.5)[::-1]
+    cap.reduced = {"tox": rng.standard_normal((T, 3)).astype(np.float32), "sae": Latents(ids, values)}
+    begin.spec["reducers"] = ["sae", "tox"]
+    return begin, cap
+
+
+def test_reducer_columns_probe_scores_and_sparse_latents_in_pyarrow_and_hf(tmp_path) -> None:
+    """A probe's scores as a fixed-size list column; an SAE's latents as variable-length ids and values
+    lists (the -1 slots left out), read back by pyarrow and HF datasets; the manifest says format 2."""
+    dest = str(tmp_path / "ds")
+    rec = Recorder(dest, RecordOptions(writer="w1", shard_bytes=20_000)).open()
+    for s in range(8):
+        rec.feed_capture(s, *_with_reducers(s))
+    rec.close()
+    ds = open_dataset(dest)
+    assert ds.layout.reducers == {"tox": df.ReducedLayout("probe", 3), "sae": df.ReducedLayout("latents", 6)}
+    assert ds.manifests[0].format_version == 2
+    t = ds.to_pyarrow().to_table()
+    assert t.schema.field("reduced.tox").type == pa.list_(pa.float32(), 3)
+    assert t.schema.field("reduced.sae.ids").type == pa.list_(pa.int32())
+    assert t.schema.field("reduced.sae.values").type == pa.list_(pa.float32())
+    order = np.lexsort((t.column("position").to_numpy(), t.column("seq").to_numpy()))
+    t = t.take(pa.array(order))
+    i = 0
+    for s in range(8):
+        _, cap = _with_reducers(s)
+        n = len(cap.positions)
+        part = t.slice(i, n)
+        i += n
+        assert np.array_equal(np.stack(part.column("reduced.tox").to_numpy(zero_copy_only=False)), cap.reduced["tox"])
+        lat = cap.reduced["sae"]
+        for j, (ids, values) in enumerate(zip(part.column("reduced.sae.ids").to_pylist(),
+                                              part.column("reduced.sae.values").to_pylist())):
+            keep = lat.ids[j] >= 0
+            assert ids == lat.ids[j][keep].tolist() and np.array_equal(np.float32(values), lat.values[j][keep])
+    hf = ds.to_hf(cache_dir=str(tmp_path / "hf"))
+    assert hf.num_rows == t.num_rows
+    lens = [len(r["reduced.sae.ids"]) for r in hf]
+    assert 0 in lens and 6 in lens, "rows of every number of active latents"
+    assert all(len(r["reduced.tox"]) == 3 for r in hf)
+    # A capture without the SAE is skipped, and says why.
+    core = RecorderCore("w2", None)
+    core.add_capture(1, *_with_reducers(1))
+    b, c = _with_reducers(2)
+    del c.reduced["sae"]
+    core.add_capture(2, b, c)
+    assert core.pending_skipped[0].reason.endswith("no reducer sae")
+    # Version 1 (no reducers) is still read; another version is refused.
+    m = df.Manifest(df.FORMAT_NAME, 1, "w", "h", df.PARQUET, df.TensorLayout())
+    assert df.decode_manifest(df.encode_manifest(m)).format_version == 1
+
+
 def test_arrow_ipc_format_and_two_writers(tmp_path) -> None:
     dest = str(tmp_path / "ds")
     _record(dest, range(0, 6), writer="hostA", file_format="arrow")

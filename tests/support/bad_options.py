@@ -14,6 +14,7 @@ BAD = {
                       [-1, 5], [5, 2], ["output"], [1.0, 2.0]],
     "tap_dtype": [1, 1.0, [], "float64", "int8"],
     "tap_key": [5, 5.0, [], ["k"], "x" * 257, "a\x00b"],
+    "tap_reducers": [1, 1.0, "tox", [], ["nope"], [1], [["tox"]]],  # the servers these run against declare no "nope"
     "tapkey": ["k", 1, []],
     "tap_layer": [[1]],
     "TAP_LAYERS": [[1]],

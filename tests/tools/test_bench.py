@@ -195,3 +195,15 @@ def test_small_summary_ratios_within_repeat_and_cpu_per_request():
     s3 = serving.summarise(runs, ["a", "b"], 3)
     results["serving"]["points"][0]["summary"] = {**s3, "t": s["t"]}
     assert b_cpu_target(results) is None
+
+
+@pytest.mark.timeout(150)
+def test_bench_reducer_quick(tmp_path):
+    r = _bench(tmp_path, "reducer")["reducer"]
+    s = r["summary"]
+    assert set(s["bytes_per_token"]) == {"layer", "sae"} and 0 < s["bytes_ratio"] < 1
+    assert {(row["what"], row["batch"]) for row in s["host"]} == {(w, b) for w in ("layer", "sae")
+                                                                  for b in r["params"]["batches"]}
+    for row in s["host"]:
+        assert row["steady"] and row["dropped"] == 0 and row["host_us"] > 0, row
+        assert row["calls_constant"], row

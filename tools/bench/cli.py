@@ -1,4 +1,5 @@
-"""`vllm-tap bench serving|hook|transport|all`: run benchmark parts, write tables and plots.
+"""`vllm-tap bench serving|hook|transport|all` (and record, ingest, reducer alone): run benchmark parts,
+write tables and plots.
 
 Each run writes `<out>/bench-<timestamp>/` (results.md, results.json, PNGs, server and daemon
 logs). `--into DIR` adds parts to an existing results folder instead (parts run later replace
@@ -19,7 +20,7 @@ from typing import Any
 import click
 
 PARTS = ("serving", "hook", "transport")
-ALONE = ("record", "ingest")  # parts that `all` does not run
+ALONE = ("record", "ingest", "reducer")  # parts that `all` does not run
 LATEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "LATEST.md")
 
 
@@ -143,6 +144,14 @@ def bench(what: str, out: str, into: str | None, quick: bool, repeats: int | Non
                 p.repeats = repeats
             results["ingest"] = ingest.run(p, outdir, echo)
             click.echo(ingest.table(results["ingest"]))
+        elif part == "reducer":
+            from vllm_tap.tools.bench import reducer
+
+            p = reducer.ReducerParams.quick() if quick else reducer.ReducerParams()
+            if repeats:
+                p.repeats = repeats
+            results["reducer"] = reducer.run(p, echo)
+            click.echo("\n".join(reducer.table(results["reducer"])))
         elif part == "transport":
             from vllm_tap.tools.bench import transport
 

@@ -127,6 +127,11 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         from vllm_tap.tools.bench import ingest
 
         out += ingest.targets(ig)
+    rd = results.get("reducer")
+    if rd:
+        from vllm_tap.tools.bench import reducer
+
+        out += reducer.targets(rd)
     return out
 
 
@@ -494,6 +499,10 @@ def markdown(results: dict[str, Any], title: str = "vllm-tap benchmark") -> str:
         from vllm_tap.tools.bench import ingest
 
         lines += ["## Ingest: a GPU worker's steps into the daemon", "", ingest.table(results["ingest"]), ""]
+    if results.get("reducer"):
+        from vllm_tap.tools.bench import reducer
+
+        lines += reducer.table(results["reducer"])
     notes = results.get("notes")
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
@@ -597,6 +606,13 @@ def plots(results: dict[str, Any], outdir: str) -> list[str]:
     ig = results.get("ingest")
     if ig:
         path = _ingest_plot(plt, ig, outdir)
+        if path:
+            written.append(path)
+    rd = results.get("reducer")
+    if rd:
+        from vllm_tap.tools.bench import reducer
+
+        path = reducer.plot(plt, rd, outdir)
         if path:
             written.append(path)
     return written
