@@ -9,6 +9,7 @@ Other test files may use them:
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -26,6 +27,20 @@ SUPPORT_DIR = os.path.join(TESTS_DIR, "support")
 if SUPPORT_DIR not in sys.path:
     sys.path.insert(0, SUPPORT_DIR)
 
+
+@pytest.fixture(autouse=True)
+def _tap_logger_as_found():
+    """Undo what a vLLM engine run in this process does to the tap's logger.
+
+    The plugin hands the `vllm_tap` logger vLLM's handlers and stops it propagating (so its lines go
+    where vLLM's go); left so, every later test's caplog sees none of the tap's lines.
+    """
+    log = logging.getLogger("vllm_tap")
+    handlers, level, propagate = list(log.handlers), log.level, log.propagate
+    yield
+    log.handlers[:] = handlers
+    log.setLevel(level)
+    log.propagate = propagate
 
 
 @pytest.fixture
