@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 from vllm_tap import wire_format as wf
 from vllm_tap.positions import PositionRanges
 
-from vllm_tap.daemon.reassembly import Begin, End, Event, Gap, Tokens
-from vllm_tap.daemon.store import Entry
+from .reassembly import Begin, End, Event, Gap, Tokens
+from .store import Entry
 
 if TYPE_CHECKING:
-    from vllm_tap.daemon.arena import Arena
+    from .arena import Arena
 
 Frames = list[Any]  # bytes headers and numpy buffers, sent without copying
 

@@ -80,12 +80,13 @@ from typing import Any, Callable, Iterable, Union
 
 import numpy as np
 
-from vllm_tap import ring_format as rf
 from vllm_tap import ring_schema
-from vllm_tap.daemon import handover as ho
+from vllm_tap import ring_format as rf
 from vllm_tap.positions import PositionRanges
 from vllm_tap.ring_records import DataBatch, RingRecord, TensorId
 from vllm_tap.spec import CaptureSpec
+
+from . import handover as ho
 
 log = logging.getLogger(__name__)
 

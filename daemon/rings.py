@@ -30,10 +30,10 @@ from vllm_tap.ring_records import DataBatch
 from vllm_tap.ring_schema import tensor_id
 from vllm_tap.safe_paths import UnsafePath
 
-from vllm_tap.daemon import step_runs
-from vllm_tap.daemon.discovery import Candidate
-from vllm_tap.daemon.reassembly import RING_BROKEN, Reassembler
-from vllm_tap.daemon.ring_lag import RingLag
+from . import step_runs
+from .discovery import Candidate
+from .reassembly import RING_BROKEN, Reassembler
+from .ring_lag import RingLag
 
 log = logging.getLogger("vllm_tap.daemon.server")  # the daemon logs under one name, whichever side speaks
 

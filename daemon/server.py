@@ -57,27 +57,25 @@ from typing import Any, Callable
 import zmq
 
 from vllm_tap import wire_format as wf
-
-from vllm_tap.daemon import handover
-from vllm_tap.daemon.arena import Arena
-from vllm_tap.daemon.copier import Copier
+from vllm_tap.doorbell import Doorbell
 from vllm_tap.safe_paths import UnsafePath
 
-from vllm_tap.daemon.access import (RingAccess, narrow_socket, prepare_arena_dir, prepare_socket_dir, socket_gid,
-                                    socket_path)
-from vllm_tap.daemon.config import DaemonConfig
-from vllm_tap.daemon.config_load import is_loopback
-from vllm_tap.daemon.curve import CurveServer
-from vllm_tap.daemon.discovery import RingDirectory
-from vllm_tap.daemon.peers import Peers
-from vllm_tap.daemon.reassembly import OVER_BUDGET, Reassembler
-from vllm_tap.daemon.rings import LOG_FIRST, OpenRing, RingSide
-from vllm_tap.daemon.sequence import SequenceCounter
-from vllm_tap.daemon.status import Counters, Histogram, StatusSide
-from vllm_tap.daemon.store import Entry, Store
-from vllm_tap.daemon.subscribers import SubscriberSide, Subscription
-from vllm_tap.daemon.watch import WatchHub
-from vllm_tap.doorbell import Doorbell
+from . import handover
+from .access import RingAccess, narrow_socket, prepare_arena_dir, prepare_socket_dir, socket_gid, socket_path
+from .arena import Arena
+from .config import DaemonConfig
+from .config_load import is_loopback
+from .copier import Copier
+from .curve import CurveServer
+from .discovery import RingDirectory
+from .peers import Peers
+from .reassembly import OVER_BUDGET, Reassembler
+from .rings import LOG_FIRST, OpenRing, RingSide
+from .sequence import SequenceCounter
+from .status import Counters, Histogram, StatusSide
+from .store import Entry, Store
+from .subscribers import SubscriberSide, Subscription
+from .watch import WatchHub
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_tap import wire_format as wf
-from vllm_tap.daemon.reassembly import GAP_REASONS, OTHER
 from vllm_tap.ring_reader import RingBroken
+
+from .reassembly import GAP_REASONS, OTHER
 
 # Delivery latency (ring read to send), seconds; fixed so scrapes can be compared over time.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,

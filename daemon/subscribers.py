@@ -21,10 +21,10 @@ import zmq
 
 from vllm_tap import wire_format as wf
 
-from vllm_tap.daemon.arena import Arena
-from vllm_tap.daemon.messages import Frames, encode_run
-from vllm_tap.daemon.reassembly import Begin, Event, Tokens
-from vllm_tap.daemon.store import Entry, LookupFailed
+from .arena import Arena
+from .messages import Frames, encode_run
+from .reassembly import Begin, Event, Tokens
+from .store import Entry, LookupFailed
 
 log = logging.getLogger("vllm_tap.daemon.server")  # the daemon logs under one name, whichever side speaks
 

@@ -51,10 +51,10 @@ from typing import Any, Callable
 
 from vllm_tap import wire_format as wf
 
-from vllm_tap.daemon.messages import Frames, arena_advert, encode
-from vllm_tap.daemon.reassembly import Begin, End, Event, Tokens
-from vllm_tap.daemon.sequence import SequenceCounter
-from vllm_tap.daemon.store import Entry
+from .messages import Frames, arena_advert, encode
+from .reassembly import Begin, End, Event, Tokens
+from .sequence import SequenceCounter
+from .store import Entry
 
 log = logging.getLogger(__name__)
 

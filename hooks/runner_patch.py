@@ -19,12 +19,13 @@ import logging
 
 import torch
 
-from vllm_tap.hooks import support
-from vllm_tap.hooks.capture_core import CaptureCore, RankPlace
-from vllm_tap.hooks.publisher import make_publisher
-from vllm_tap.hooks.settings import TapConfigError, instance_name, server_config
 from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_writer import RingWriter
+
+from . import support
+from .capture_core import CaptureCore, RankPlace
+from .publisher import make_publisher
+from .settings import TapConfigError, instance_name, server_config
 
 log = logging.getLogger("vllm_tap.hooks")
 

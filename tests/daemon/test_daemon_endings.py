@@ -1,5 +1,5 @@
-"""Every capture ends, says why, and accounts for every expected position (issue 11, items 10-12):
-after a daemon restart, when the END is lost, when the writer dies. Real daemon processes, real
+"""Every capture ends, says why, and accounts for every expected position: after a daemon restart,
+when the END is lost, when the writer dies. Real daemon processes, real
 rings, writers in this process or in a child process."""
 
 from __future__ import annotations
