@@ -274,7 +274,7 @@ def test_a_backlog_read_long_after_its_ends_arrives_whole_with_no_timeout(daemon
     stood. A grace of 0 makes that the only wait, so the daemon reading fast cannot hide a capture
     ending early. (Before: a capture ended end_grace_s after its END was read, and what the ring still
     held of it became a `timeout` gap, then was discarded as late.)"""
-    from vllm_tap.daemon.rings import READ_BUDGET_BYTES
+    from vllm_tap.daemon.ring_poller import READ_BUDGET_BYTES
     from vllm_tap.ring_records import TensorId
     from vllm_tap.spec import CaptureSpec, LogitsMode, PositionsMode
     from synthetic_writer import write_decode_backlog
