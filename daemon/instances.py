@@ -15,7 +15,8 @@ from vllm_tap.ring_records import DataBatch
 from vllm_tap.ring_schema import tensor_id
 
 from . import handover
-from .reassembly import OVER_BUDGET, WRITER_GONE, Event, Reassembler
+from .events import OVER_BUDGET, WRITER_GONE, Event
+from .reassembly import Reassembler
 from .ring_poller import LOG_FIRST
 from .store import Store
 

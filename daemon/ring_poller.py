@@ -34,7 +34,7 @@ from vllm_tap.safe_paths import UnsafePath
 from . import step_runs
 from .access import RingAccess
 from .discovery import Candidate, RingDirectory
-from .reassembly import RING_BROKEN, WRITER_GONE
+from .events import RING_BROKEN, WRITER_GONE
 from .ring_lag import RingLag
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from vllm_tap import wire_format as wf
 from vllm_tap.ring_reader import RingBroken
 
 from .instances import Instances
-from .reassembly import GAP_REASONS, OTHER
+from .events import GAP_REASONS, OTHER
 from .ring_poller import RingPoller
 from .store import Store
 from .subscribers import SubscriberHub

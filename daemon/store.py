@@ -17,7 +17,7 @@ from typing import Callable
 from vllm_tap import wire_format as wf
 from vllm_tap.identity import identify
 
-from .reassembly import Begin, End, Event, Gap, Tokens
+from .events import Begin, End, Event, Gap, Tokens
 
 log = logging.getLogger(__name__)
 

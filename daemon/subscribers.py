@@ -26,7 +26,7 @@ from .arena import Arena
 from .latency import Histogram
 from .messages import Frames, encode_run
 from .pins import Pins
-from .reassembly import Begin, Event, Tokens
+from .events import Begin, Event, Tokens
 from .store import Entry, LookupFailed, Store
 from .watch import WatchHub
 

@@ -52,7 +52,7 @@ from typing import Any, Callable
 from vllm_tap import wire_format as wf
 
 from .messages import Frames, arena_advert, encode
-from .reassembly import Begin, End, Event, Tokens
+from .events import Begin, End, Event, Tokens
 from .sequence import SequenceCounter
 from .store import Entry
 

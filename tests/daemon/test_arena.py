@@ -26,7 +26,8 @@ from vllm_tap import ring_format as rf
 from vllm_tap.client import Chunk, Client
 from vllm_tap.client.arena import OVERWRITTEN, ArenaError, ArenaView, wanted
 from vllm_tap.daemon.arena import Arena
-from vllm_tap.daemon.reassembly import Reassembler, Tokens
+from vllm_tap.daemon.events import Tokens
+from vllm_tap.daemon.reassembly import Reassembler
 from vllm_tap.ring_records import TensorId
 from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_writer import RingWriter

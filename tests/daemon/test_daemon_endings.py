@@ -17,7 +17,7 @@ import pytest
 
 from synthetic_writer import Scenario, SyntheticEngine, expected
 from vllm_tap.client import CaptureLost, CaptureNotFound, Chunk, Client, Gap
-from vllm_tap.daemon.reassembly import END_LOST, NOT_CAPTURED_PREVIOUS, WRITER_GONE
+from vllm_tap.daemon.events import END_LOST, NOT_CAPTURED_PREVIOUS, WRITER_GONE
 from waiting import wait_until as _wait
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_tap import ring_format as rf
-from vllm_tap.daemon.reassembly import (
+from vllm_tap.daemon.events import (
     DROPPED, END_LOST, INCOMPLETE, MALFORMED, NOT_CAPTURED, NOT_CAPTURED_PREVIOUS, OVER_BUDGET, OVERLOADED, TIMEOUT,
     WRITER_GONE,
-    Begin, End, Gap, Reassembler, Tokens,
+    Begin, End, Gap, Tokens,
 )
+from vllm_tap.daemon.reassembly import Reassembler
 from vllm_tap.ring_records import RingRecord, TensorId
 from vllm_tap.ring_schema import control_record
 from vllm_tap.spec import CaptureSpec

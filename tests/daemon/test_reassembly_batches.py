@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from vllm_tap import ring_format as rf
 from vllm_tap.daemon import step_runs
-from vllm_tap.daemon.reassembly import ENGINE_SOURCE, Begin, End, Gap, Reassembler, Tokens
+from vllm_tap.daemon.events import Begin, End, Gap, Tokens
+from vllm_tap.daemon.reassembly import ENGINE_SOURCE, Reassembler
 from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_records import DataBatch, RequestRef, RequestTable, TensorId

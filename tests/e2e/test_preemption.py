@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from reference import hf_forward, shutdown_llm, tiny_model
-from vllm_tap.daemon.reassembly import End, Reassembler, Tokens
+from vllm_tap.daemon.events import End, Tokens
+from vllm_tap.daemon.reassembly import Reassembler
 from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_format import RecordKind
 from vllm_tap.tools.tiny_model import prompt_text
