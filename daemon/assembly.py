@@ -58,7 +58,7 @@ class Assembly:
     inherited: bool = False  # first seen in a ring that a previous daemon had been reading
     # What is held (tiling: pending step groups; ordering: ready spans, a heap) and its bytes
     groups: dict[int, Any] = field(default_factory=dict)  # step -> tiling.StepGroup
-    ready: list[tuple[int, int, int, Any]] = field(default_factory=list)  # heap of ordering.Ready
+    ready: list[tuple[int, int, int, Any]] = field(default_factory=list)  # heap of ordering.Span
     nbytes: int = 0
     order: Any = field(default_factory=itertools.count)  # tie-break of the ready heap
     cut: str | None = None  # why its data is no longer kept (over budget)

@@ -16,7 +16,7 @@ from vllm_tap.positions import PositionRanges
 
 from .assembly import Assembly
 from .events import NOT_CAPTURED, NOT_CAPTURED_PREVIOUS, WRITER_GONE, End, Event, Gap, Tokens, gap_key
-from .ordering import Ready, may_skip, pop, push
+from .ordering import Span, may_skip, pop, push
 
 
 def limit(a: Assembly) -> int | None:
@@ -87,11 +87,11 @@ def pump(a: Assembly, now: float, out: list[Event], force_reason: str | None = N
             gap(a, a.frontier, hi, span.reason, now, out)
             a.frontier = hi
             if hi < span.stop:
-                push(a, Ready(hi, span.stop, None, span.reason))
+                push(a, Span(hi, span.stop, None, span.reason))
         else:
             tok = span.tokens.since(a.frontier)
             if hi < span.stop:
-                push(a, Ready(hi, span.stop, tok.since(hi)))  # held back, see HOLD_NEWEST
+                push(a, Span(hi, span.stop, tok.since(hi)))  # held back, see HOLD_NEWEST
                 tok = tok.before(hi)
             _tokens(a, tok, hi, out)
     if force_reason is not None:
@@ -102,7 +102,7 @@ def pump(a: Assembly, now: float, out: list[Event], force_reason: str | None = N
     return resolved(a)
 
 
-def offer(a: Assembly, span: Ready, now: float, out: list[Event]) -> bool:
+def offer(a: Assembly, span: Span, now: float, out: list[Event]) -> bool:
     """A span of data that arrived in order (its capture's frontier known, nothing of it pending):
     deliver what can go now; True when every expected position went out."""
     tok = span.tokens

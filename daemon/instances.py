@@ -11,8 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable
 
-from vllm_tap.ring_records import DataBatch
-from vllm_tap.ring_schema import tensor_id
+from vllm_tap.ring_records import DataRecord, Record
 
 from . import handover
 from .events import OVER_BUDGET, WRITER_GONE, Event
@@ -50,32 +49,19 @@ class Instances:
             r = self._reasm[instance] = Reassembler(instance, end_grace_s=self.end_grace_s, alloc=self._alloc)
         return r
 
-    def sink(self, instance: str) -> Any:
-        """Where a ring's DATA payloads go: the places reassembly picks in the arena."""
-        reasm = self.reassembler(instance)
-
-        def sink(plan: Any, i: int) -> Any:
-            h = plan.h
-            return reasm.target(plan.request_id(i), h.step, tensor_id(h.tensor, h.layer), h.slice_start, h.slice_stop,
-                                h.full_dim, plan.part_rows(i), plan.dtype)
-
-        return sink
-
     # -- what the ring poller tells (ring_poller.RingFacts) --
 
     def ring_resumed(self, instance: str, ring: str) -> None:
         self.reassembler(instance).resumed_ring(ring)
 
-    def record(self, instance: str, record: Any, now: float, path: str) -> None:
-        reasm = self.reassembler(instance)
-        batch = type(record) is DataBatch
+    def record(self, instance: str, record: Record, now: float, path: str) -> None:
         try:
-            events = reasm.feed_batch(record, now) if batch else reasm.feed(record, now)
+            events = self.reassembler(instance).feed(record, now)
         except Exception:  # a bug here must cost one record, not the daemon and everyone's captures
             self.reassembly_errors += 1
             if self.reassembly_errors <= LOG_FIRST:
                 log.exception("record of request %s from %s could not be reassembled",
-                              record.entries[0].request_id if batch else record.request_id,
+                              record.entries[0].request_id if type(record) is DataRecord else record.request_id,
                               path)
             return
         self._deliver(events, now)

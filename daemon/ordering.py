@@ -1,6 +1,6 @@
 """Ordering: what of a capture is ready for delivery, in position order.
 
-A capture's ready spans (Ready: consecutive positions [start, stop), data or missing with a reason)
+A capture's ready spans (Span: consecutive positions [start, stop), data or missing with a reason)
 wait in a heap by start; data sorts before a gap at the same start, so a recomputed copy beats a drop
 report. A tail capture (`tail` N > 0) keeps only the newest positions that can still turn out to be
 its last N (plus the one held back, HOLD_NEWEST) until its END says where it stopped. Positions are
@@ -17,7 +17,7 @@ from .events import Tokens
 
 
 @dataclass
-class Ready:
+class Span:
     """Consecutive positions [start, stop) ready for delivery: data, or missing with a reason."""
 
     start: int
@@ -30,7 +30,7 @@ class Ready:
         return self.tokens.nbytes if self.tokens is not None else 0
 
 
-def push(a: Assembly, span: Ready) -> None:
+def push(a: Assembly, span: Span) -> None:
     heapq.heappush(a.ready, (span.start, 0 if span.tokens is not None else 1, next(a.order), span))
     a.account(span.nbytes)
     if a.holding:
@@ -49,7 +49,7 @@ def push(a: Assembly, span: Ready) -> None:
             a.ready = kept
 
 
-def pop(a: Assembly) -> Ready:
+def pop(a: Assembly) -> Span:
     span = heapq.heappop(a.ready)[3]
     a.account(-span.nbytes)
     return span
@@ -62,7 +62,7 @@ def discard_data(a: Assembly, reason: str) -> None:
         span = item[3]
         if span.tokens is not None:
             a.account(-span.nbytes)
-            span = Ready(span.start, span.stop, None, reason)
+            span = Span(span.start, span.stop, None, reason)
         kept.append((span.start, 1, item[2], span))
     heapq.heapify(kept)
     a.ready = kept

@@ -24,10 +24,10 @@ How records become tokens (the record contract, see ring_format / hooks):
   or consumed by a previous daemon), and positions below a completed group that no pending group
   covers were never computed: both become gaps at once instead of waiting for the end.
 - Positions at or below what was already delivered (preemption recomputes them) are dropped.
-- A DATA record of whole tensors read whole (a DataBatch: the daemon's ring reader): a capture whose
-  step is all in it and comes next in order takes a direct way, its rows of each tensor one Tokens
-  span of views into the record's buffer, with no group; anything else is fed as the record's
-  single records would be. Either way the events are the same.
+- A DATA record of whole tensors (the usual record of one rank): a capture whose step is all in it
+  and comes next in order takes a direct way, its rows of each tensor one Tokens span of views into
+  the record's block, with no group; anything else goes its Slices' way, one step group at a time.
+  Either way the events are the same.
 
 Rules for what is expected and when a capture ends:
 - Where a capture starts is known from its BEGIN (the spec), or from any DATA record's request table
@@ -57,11 +57,10 @@ Rules for what is expected and when a capture ends:
 - Missing positions are kept as ranges, never as lists of positions: one far-off position costs
   one range, not memory in proportion to the distance.
 
-Where arrays live (the one copy): the reassembler is given an allocator (`alloc(shape, dtype) ->
-array | None`, the daemon's delivery arena; None here means numpy's heap). Before a DATA record's
-payload is read, the ring reader asks `target()` where its rows go: a whole tensor gets an array
-of its own; a tensor-parallel slice gets its columns of one [rows, full_dim] array shared by the
-step's slices, so reading the slices assembles the tensor and tiling has nothing to concatenate.
+Where arrays live is decided before they are read, outside this state machine (the ring reader's
+placement: daemon/placement.py); a tensor's slices read into their columns of one array are that
+array. Only slices that do not tile such an array are concatenated, into what the allocator given
+here gives (`alloc(shape, dtype) -> array | None`, the daemon's delivery arena; None: numpy's heap).
 The allocator is an interface: no IO happens here.
 """
 
@@ -77,7 +76,7 @@ import numpy as np
 from vllm_tap import ring_format as rf
 from vllm_tap import ring_schema
 from vllm_tap.positions import PositionRanges
-from vllm_tap.ring_records import DataBatch, RingRecord, TensorId
+from vllm_tap.ring_records import ControlRecord, DataRecord, Record, Slice
 
 from . import delivery, ordering
 from . import handover as ho
@@ -85,13 +84,12 @@ from .assembly import HOLD_NEWEST, Assembly, Tally, bottom, top
 from .events import (DROPPED, END_LOST, INCOMPLETE, MALFORMED, NOT_CAPTURED_PREVIOUS, OVER_BUDGET, OVERLOADED, TIMEOUT,
                      WRITER_GONE, Begin, Event, Tokens, new_tokens)
 from .lifecycle import NO_END, Barrier, Happens, Phase
-from .ordering import Ready
+from .ordering import Span
 from .tiling import Alloc, StepGroup, named_sections, runs, tile
 
 log = logging.getLogger(__name__)
 
 ENGINE_SOURCE = "engine" + rf.RING_SUFFIX  # the engine ring's name: its writer carries the ENDs
-MAX_TARGETS = 1 << 16  # tensor-parallel targets waiting for their other slices, at most
 LIVE_SILENCE_S = 3.0  # left out of the latest LIVE, then nothing about it for this long: as good as two absences
 GONE_GRACE_S = 0.25  # after a dead writer's ring is drained: one more read of the other rings
 _LOST = frozenset({Phase.END_LOST, Phase.END_LOST_WAITING})
@@ -105,8 +103,6 @@ class Reassembler:
                  alloc: Alloc | None = None):
         self.instance = instance
         self.alloc = alloc
-        # (request id, step, tensor) -> the [rows, full_dim] array its slices are read into
-        self._targets: OrderedDict[tuple[str, int, TensorId], np.ndarray] = OrderedDict()
         self.end_grace_s = end_grace_s
         self.gone_grace_s = min(gone_grace_s, end_grace_s)
         self.hold_newest = hold_newest
@@ -198,109 +194,26 @@ class Reassembler:
                     a.life.dead_reason = reason
         return []
 
-    def target(self, request_id: str, step: int, tensor: TensorId, slice_start: int, slice_stop: int, full_dim: int,
-               rows: int, dtype: Any) -> np.ndarray | None:
-        """Where the rows of a DATA record go before it is read ([rows, slice_stop - slice_start]),
-        or None for a private array: a whole tensor gets its own array from the allocator; a slice,
-        its columns of the array shared by the step's slices of that tensor."""
-        if self.alloc is None or request_id in self._finished:
-            return None
-        if slice_start == 0 and slice_stop == full_dim:
-            return self.alloc((rows, full_dim), dtype)
-        key = (request_id, step, tensor)
-        t = self._targets.get(key)
-        if t is None or t.shape != (rows, full_dim) or t.dtype != dtype:
-            t = self.alloc((rows, full_dim), dtype)
-            if t is None:
-                return None
-            self._targets[key] = t
-            if len(self._targets) > MAX_TARGETS:  # slices that never completed (their requests are gone)
-                self._targets.popitem(last=False)
-        return t[:, slice_start:slice_stop]
-
     # -- records --
 
-    def feed(self, record: RingRecord, now: float) -> list[Event]:
+    def feed(self, record: Record, now: float) -> list[Event]:
+        """A record read from one of the instance's rings."""
         out: list[Event] = []
-        self.stats["records"] += 1
         kind = record.kind
         if kind == rf.RecordKind.DATA:
-            self._on_data(record, now, out)
-        elif kind == rf.RecordKind.BEGIN:
-            self._on_begin(record, now, out)
+            self._on_data(record, now, out)  # type: ignore[arg-type]
+            return out
+        self.stats["records"] += 1
+        if kind == rf.RecordKind.BEGIN:
+            self._on_begin(record, now, out)  # type: ignore[arg-type]
         elif kind == rf.RecordKind.END:
-            self._on_end(record, now, out)
+            self._on_end(record, now, out)  # type: ignore[arg-type]
         elif kind == rf.RecordKind.DROP:
-            self._on_drop(record, now, out)
+            self._on_drop(record, now, out)  # type: ignore[arg-type]
         elif kind == rf.RecordKind.LIVE:
-            self._on_live(record, now)
+            self._on_live(record, now)  # type: ignore[arg-type]
         elif kind == rf.RecordKind.SHED:
-            self._on_shed(record, now, out)
-        return out
-
-    def feed_batch(self, batch: DataBatch, now: float) -> list[Event]:
-        """A DATA record read whole, or a run of decode steps joined (daemon/step_runs): the same
-        events as feeding batch.records(i) for every group, in table order (for a run, the same
-        positions and values in fewer Tokens). A capture whose step is all in this record and comes
-        next (one rank, no step pending, positions consecutive from its frontier, before its END's
-        stop) takes the direct way: its rows of each section become one Tokens span at once (views,
-        no copy, no group), offered for delivery. Anything else takes the way of single records,
-        step by step."""
-        out: list[Event] = []
-        nsec = len(batch.sections)
-        stats = self.stats
-        stats["records"] += batch.parts
-        steps = len(batch.steps) if batch.steps else 1
-        names = named_sections(batch)
-        requests = self._requests
-        groups = batch.groups
-        if groups is ring_schema.one_row_each(len(groups)):
-            # A decode step (row i is request i's): every row's views at once, not one slice each.
-            starts = batch.positions.tolist()
-            pos_rows = list(batch.positions[:, None])
-            id_rows = list(batch.token_ids[:, None])
-            sec_rows = [(name, list(x[:, None, :])) for name, x in names.items()]
-        else:
-            starts = None
-        for i, (slot, rows) in enumerate(groups):
-            e = batch.entries[slot]
-            a = requests.get(e.request_id)
-            if (a is None or e.expected_ranks != 1 or e.rank_parts != nsec or a.groups or a.frontier is None
-                    or a.shed is not None or a.cut is not None or a.tail
-                    or (a.spec is None and a.start is None) or not (rows is None or type(rows) is slice)):
-                for r in batch.records(i):
-                    self._on_data(r, now, out)
-                continue
-            if starts is not None:
-                n = 1
-                p0 = starts[i]
-            else:
-                pos = batch.positions if rows is None else batch.positions[rows]
-                n = len(pos)
-                p0 = int(pos[0])
-            if (p0 < a.frontier or (a.stop is not None and p0 + n > a.stop)
-                    or (n > 1 and (int(pos[-1]) - p0 != n - 1 or not bool(np.all(np.diff(pos) == 1))))
-                    or (a.ready and ordering.reaches(a, p0))):
-                for r in batch.records(i):  # a recompute, a duplicate, past the end, or positions out of order
-                    self._on_data(r, now, out)
-                continue
-            stats["direct"] += steps
-            self._touch(a, now)
-            a.sources.add(batch.ring)
-            if a.num_prompt_tokens == 0:
-                a.num_prompt_tokens = e.num_prompt_tokens
-            if p0 + n - 1 > a.max_seen:
-                a.max_seen = p0 + n - 1
-            if starts is not None:
-                pos, ids = pos_rows[i], id_rows[i]
-                tensors = {name: rs[i] for name, rs in sec_rows}
-            else:
-                ids = batch.token_ids if rows is None else batch.token_ids[rows]
-                tensors = {name: x if rows is None else x[rows] for name, x in names.items()}
-            tok = new_tokens(self.instance, a.request_id, pos, ids, a.num_prompt_tokens or e.num_prompt_tokens,
-                             tensors, names.dtypes, now, n * names.row_bytes)
-            if delivery.offer(a, Ready(p0, p0 + n, tok), now, out):
-                self._finish(a, now, out, None)
+            self._on_shed(record, now, out)  # type: ignore[arg-type]
         return out
 
     def reject(self, request_ids: Iterable[str], why: str, now: float) -> list[Event]:
@@ -312,7 +225,7 @@ class Reassembler:
             if a is None:
                 if rid in self._finished:
                     continue
-                a = self._new(RingRecord(kind=rf.RecordKind.BEGIN, request_id=rid), now, out, lazy=True)
+                a = self._new(ControlRecord(kind=rf.RecordKind.BEGIN, request_id=rid), now, out, lazy=True)
             log.warning("request %s: ended, a record of it was malformed (%s)", rid, why)
             self._finish(a, now, out, MALFORMED)
         return out
@@ -410,11 +323,11 @@ class Reassembler:
 
     # -- handover (a graceful stop to the next daemon; the codec is daemon/handover.py) --
 
-    def export_state(self) -> list[ho.Capture]:
+    def export_state(self) -> list[ho.InFlight]:
         """Every capture in flight: what was read of it and not delivered (metadata, held data)."""
         return [ho.export(a) for a in self._requests.values()]
 
-    def restore(self, captures: list[ho.Capture], now: float) -> list[Event]:
+    def restore(self, captures: list[ho.InFlight], now: float) -> list[Event]:
         """Continue captures a previous daemon handed over: the positions it delivered come first as
         one Gap NOT_CAPTURED_PREVIOUS, then what it held, then what the rings bring."""
         out: list[Event] = []
@@ -430,7 +343,7 @@ class Reassembler:
             self._adopt(a, end, slices, now, out)
         return out
 
-    def _adopt(self, a: Assembly, end: RingRecord | None, slices: list[RingRecord], now: float,
+    def _adopt(self, a: Assembly, end: ControlRecord | None, slices: list[Slice], now: float,
                out: list[Event]) -> None:
         self._requests[a.request_id] = a
         self._finished.pop(a.request_id, None)
@@ -441,7 +354,7 @@ class Reassembler:
             a.life.go(Happens.END_READ, now)
         a.last_record_at = now
         for r in slices:
-            self._on_data(r, now, out)
+            self._on_slice(r, now, out)
         if a.shed is not None and a.end is not None:
             self._finish(a, now, out, a.shed)
             return
@@ -449,7 +362,7 @@ class Reassembler:
 
     # -- records by kind --
 
-    def _new(self, r: RingRecord, now: float, out: list[Event], lazy: bool) -> Assembly:
+    def _new(self, r: ControlRecord | Slice, now: float, out: list[Event], lazy: bool) -> Assembly:
         self._finished.pop(r.request_id, None)
         a = Assembly(self.instance, r.request_id, r.tap_key, r.num_prompt_tokens, lazy, self.tally,
                      source=r.source or "client", inherited=lazy and r.ring in self._resumed, hold=self.hold_newest)
@@ -472,7 +385,7 @@ class Reassembler:
             a.live_absent = 0
             a.life.go(Happens.RECORD)
 
-    def _lazy(self, r: RingRecord, now: float, out: list[Event]) -> Assembly | None:
+    def _lazy(self, r: ControlRecord | Slice, now: float, out: list[Event]) -> Assembly | None:
         a = self._requests.get(r.request_id)
         if a is not None:
             return a
@@ -481,7 +394,7 @@ class Reassembler:
             return None
         return self._new(r, now, out, lazy=True)
 
-    def _arrived(self, r: RingRecord, now: float, out: list[Event]) -> Assembly | None:
+    def _arrived(self, r: ControlRecord | Slice, now: float, out: list[Event]) -> Assembly | None:
         """The capture a worker's record (DATA, DROP, SHED) is about, made if new and noted active;
         None when it already finished."""
         a = self._lazy(r, now, out)
@@ -500,7 +413,7 @@ class Reassembler:
             a.lazy, update, now, a.source,
         )
 
-    def _on_begin(self, r: RingRecord, now: float, out: list[Event]) -> None:
+    def _on_begin(self, r: ControlRecord, now: float, out: list[Event]) -> None:
         a = self._requests.get(r.request_id)
         if a is None:
             self._new(r, now, out, lazy=False)
@@ -517,11 +430,79 @@ class Reassembler:
         if t > a.max_seen:
             a.max_seen = t
 
-    def _on_data(self, r: RingRecord, now: float, out: list[Event]) -> None:
+    def _on_data(self, rec: DataRecord, now: float, out: list[Event]) -> None:
+        """A DATA record (one rank's rows of one step for every capture in its table; or a run of
+        decode steps joined, daemon/step_runs: the same events as its steps' records, in fewer
+        Tokens). A capture whose step is all in this record of whole tensors and comes next (one rank,
+        no step pending, positions consecutive from its frontier, before its END's stop) takes the
+        direct way: its rows of each section become one Tokens span at once (views, no copy, no
+        group), offered for delivery. Anything else goes its slices' way, step by step."""
+        stats = self.stats
+        stats["records"] += rec.n_slices
+        requests = self._requests
+        groups = rec.groups
+        if not rec.all_whole:
+            for i in range(len(groups)):
+                for r in rec.slices(i):
+                    self._on_slice(r, now, out)
+            return
+        nsec = len(rec.sections)
+        steps = len(rec.steps) if rec.steps else 1
+        names = named_sections(rec)
+        if groups is ring_schema.one_row_each(len(groups)):
+            # A decode step (row i is request i's): every row's views at once, not one slice each.
+            starts = rec.positions.tolist()
+            pos_rows = list(rec.positions[:, None])
+            id_rows = list(rec.token_ids[:, None])
+            sec_rows = [(name, list(x[:, None, :])) for name, x in names.items()]
+        else:
+            starts = None
+        for i, (slot, rows) in enumerate(groups):
+            e = rec.entries[slot]
+            a = requests.get(e.request_id)
+            if (a is None or e.expected_ranks != 1 or e.rank_parts != nsec or a.groups or a.frontier is None
+                    or a.shed is not None or a.cut is not None or a.tail
+                    or (a.spec is None and a.start is None) or not (rows is None or type(rows) is slice)):
+                for r in rec.slices(i):
+                    self._on_slice(r, now, out)
+                continue
+            if starts is not None:
+                n = 1
+                p0 = starts[i]
+            else:
+                pos = rec.positions if rows is None else rec.positions[rows]
+                n = len(pos)
+                p0 = int(pos[0])
+            if (p0 < a.frontier or (a.stop is not None and p0 + n > a.stop)
+                    or (n > 1 and (int(pos[-1]) - p0 != n - 1 or not bool(np.all(np.diff(pos) == 1))))
+                    or (a.ready and ordering.reaches(a, p0))):
+                for r in rec.slices(i):  # a recompute, a duplicate, past the end, or positions out of order
+                    self._on_slice(r, now, out)
+                continue
+            stats["direct"] += steps
+            self._touch(a, now)
+            a.sources.add(rec.ring)
+            if a.num_prompt_tokens == 0:
+                a.num_prompt_tokens = e.num_prompt_tokens
+            if p0 + n - 1 > a.max_seen:
+                a.max_seen = p0 + n - 1
+            if starts is not None:
+                pos, ids = pos_rows[i], id_rows[i]
+                tensors = {name: rs[i] for name, rs in sec_rows}
+            else:
+                ids = rec.token_ids if rows is None else rec.token_ids[rows]
+                tensors = {name: x if rows is None else x[rows] for name, x in names.items()}
+            tok = new_tokens(self.instance, a.request_id, pos, ids, a.num_prompt_tokens or e.num_prompt_tokens,
+                             tensors, names.dtypes, now, n * names.row_bytes)
+            if delivery.offer(a, Span(p0, p0 + n, tok), now, out):
+                self._finish(a, now, out, None)
+
+    def _on_slice(self, r: Slice, now: float, out: list[Event]) -> None:
+        """One capture's rows of one tensor from one rank: into its step group."""
         n = len(r.positions)
         if r.tensor is None or r.data is None or r.data.shape != (n, r.slice_stop - r.slice_start) or n == 0:
             self.stats["bad_records"] += 1
-            log.warning("request %s: malformed DATA record from %s ignored", r.request_id, r.ring)
+            log.warning("request %s: malformed DATA slice from %s ignored", r.request_id, r.ring)
             return
         a = self._arrived(r, now, out)
         if a is None:
@@ -559,11 +540,11 @@ class Reassembler:
             return
         a.account(g.add(r))
         if g.complete():
-            self._take_group(a, g, keep_targets=True)  # _complete takes them
+            self._take_group(a, g)
             self._complete(a, g, now)
             self._pump(a, now, out)
 
-    def _on_drop(self, r: RingRecord, now: float, out: list[Event]) -> None:
+    def _on_drop(self, r: ControlRecord, now: float, out: list[Event]) -> None:
         a = self._arrived(r, now, out)
         if a is None or a.shed is not None:
             return
@@ -580,7 +561,7 @@ class Reassembler:
         self._add_missing(a, dropped, DROPPED)
         self._pump(a, now, out)
 
-    def _on_end(self, r: RingRecord, now: float, out: list[Event]) -> None:
+    def _on_end(self, r: ControlRecord, now: float, out: list[Event]) -> None:
         a = self._requests.get(r.request_id)
         if a is None:
             if r.request_id in self._finished:
@@ -619,7 +600,7 @@ class Reassembler:
             return
         self._pump(a, now, out)
 
-    def _on_shed(self, r: RingRecord, now: float, out: list[Event]) -> None:
+    def _on_shed(self, r: ControlRecord, now: float, out: list[Event]) -> None:
         a = self._arrived(r, now, out)
         if a is None or a.shed is not None:
             return  # finished, or another rank shed it too
@@ -636,7 +617,7 @@ class Reassembler:
         if a.end is not None:
             self._finish(a, now, out, a.shed)
 
-    def _on_live(self, r: RingRecord, now: float) -> None:
+    def _on_live(self, r: ControlRecord, now: float) -> None:
         self.stats["live_records"] += 1
         if r.ring != ENGINE_SOURCE or r.control is None:
             return
@@ -660,24 +641,13 @@ class Reassembler:
 
     # -- step groups --
 
-    def _take_group(self, a: Assembly, g: StepGroup, keep_targets: bool = False) -> None:
+    def _take_group(self, a: Assembly, g: StepGroup) -> None:
         if a.groups.get(g.step) is g:
             del a.groups[g.step]
             a.account(-g.nbytes)
-        if not keep_targets:
-            self._drop_targets(a, g)
-
-    def _drop_targets(self, a: Assembly, g: StepGroup) -> None:
-        if self._targets:
-            for recs in g.parts.values():
-                for rec in recs.values():
-                    self._targets.pop((a.request_id, g.step, rec.tensor), None)
 
     def _complete(self, a: Assembly, g: StepGroup, now: float) -> None:
-        by_tensor = g.by_tensor()
-        targets = {tid: self._targets.pop((a.request_id, g.step, tid), None) for tid in by_tensor} \
-            if self._targets else {}
-        tiled = tile(a.request_id, g, by_tensor, targets, self.alloc)
+        tiled = tile(a.request_id, g, self.alloc)
         if tiled is None:
             self._fail_groups(a, [g], INCOMPLETE)
             self._kill_stale(a, g)
@@ -690,7 +660,7 @@ class Reassembler:
             else:
                 pos, ids = g.positions[rows], g.token_ids[rows]
                 ts = {k: np.ascontiguousarray(x[rows]) for k, x in tensors.items()}
-            ordering.push(a, Ready(start, stop, Tokens(self.instance, a.request_id, pos, ids, num_prompt, ts, dtypes,
+            ordering.push(a, Span(start, stop, Tokens(self.instance, a.request_id, pos, ids, num_prompt, ts, dtypes,
                                                        now)))
         self._kill_stale(a, g)
 
@@ -713,7 +683,7 @@ class Reassembler:
         if a.frontier is not None:
             ps = ps[ps >= a.frontier]
         for lo, hi in PositionRanges.of(ps).ranges:
-            ordering.push(a, Ready(lo, hi, None, reason))
+            ordering.push(a, Span(lo, hi, None, reason))
 
     # -- delivery --
 
@@ -740,8 +710,6 @@ class Reassembler:
         del self._requests[a.request_id]
         a.account(-a.nbytes)
         a.ready = []
-        for g in a.groups.values():
-            self._drop_targets(a, g)
         self._finished[a.request_id] = None
         while len(self._finished) > self._finished_memory:
             self._finished.popitem(last=False)

@@ -20,15 +20,14 @@ import select
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
-
-import numpy as np
+from typing import Any, Protocol
 
 from vllm_tap import ring_format as rf
 from vllm_tap.doorbell import Doorbell
 from vllm_tap.ring_files import RingFormatError
-from vllm_tap.ring_reader import RingBroken, RingReader
-from vllm_tap.ring_records import DataBatch
+from vllm_tap.ring_payload import Placement
+from vllm_tap.ring_reader import Copier, RingBroken, RingReader
+from vllm_tap.ring_records import DataRecord, Record
 from vllm_tap.safe_paths import UnsafePath
 
 from . import step_runs
@@ -54,7 +53,7 @@ class RingFacts(Protocol):
     def ring_resumed(self, instance: str, ring: str) -> None:
         """`ring` was being read by a previous daemon (its read cursor was not at the start)."""
 
-    def record(self, instance: str, record: Any, now: float, path: str) -> None:
+    def record(self, instance: str, record: Record, now: float, path: str) -> None:
         """A record read (`now`: when its poll read it)."""
 
     def rejected(self, instance: str, request_ids: tuple[str, ...], why: str, now: float) -> None:
@@ -98,7 +97,7 @@ class OpenRing:
     checked: float = 0.0
     pidfd: int | None = None
     exited_at_cursor: int | None = None  # where the ring was when its writer's pidfd said it exited
-    sink_failures: int = 0  # reader.sink_failures already counted by the arena
+    placement_failures: int = 0  # reader.placement_failures already counted by the arena
     lag: RingLag = field(default_factory=RingLag)  # how long its oldest unread byte has waited
 
     @property
@@ -110,17 +109,13 @@ class OpenRing:
         return (self.instance, self.reader.name)
 
 
-Sink = Callable[[str], Any]  # instance -> where its rings' DATA payloads go (ring_schema.Sink)
-
-
 class RingPoller:
     """Every ring under shm_dir: found, opened, read into `facts`."""
 
-    def __init__(self, shm_dir: str, access: RingAccess, facts: RingFacts, sink: Sink):
+    def __init__(self, shm_dir: str, access: RingAccess, facts: RingFacts):
         self.shm_dir = shm_dir
         self.access = access
         self._facts = facts
-        self._sink = sink
         self._dir = RingDirectory(shm_dir, root_rule=access.root, dir_rule=access.dirs)
         self._rings: dict[tuple[str, str], OpenRing] = {}
         self._order: list[OpenRing] = []  # engine rings first: BEGINs are then usually read before their data
@@ -131,11 +126,14 @@ class RingPoller:
         self.counters = RingCounters()
         self._refusal_logs = LOG_FIRST
         self._arena: Any = None
-        self._copier: Any = None
+        self._placement: Placement | None = None
+        self._copier: Copier | None = None
 
-    def use_arena(self, arena: Any, copier: Any) -> None:
-        """Read payloads into the delivery arena (daemon/arena.py), large ones through `copier` (or None)."""
+    def use_arena(self, arena: Any, placement: Placement, copier: Copier | None) -> None:
+        """Rings opened from now on read their payloads where `placement` says (the delivery arena,
+        daemon/arena.py), large ones through `copier` (or None)."""
         self._arena = arena
+        self._placement = placement
         self._copier = copier
 
     # -- what the daemon's loop asks --
@@ -260,7 +258,7 @@ class RingPoller:
             self._retire(old, now, "replaced")
         path = os.path.join(self.shm_dir, c.instance, c.name)
         try:
-            reader = RingReader(path, dir_fd=c.dir_fd, name=c.name)
+            reader = RingReader(path, dir_fd=c.dir_fd, name=c.name, placement=self._placement, copier=self._copier)
             why = self.access.files.problem(os.fstat(reader.fileno()))
             if why:
                 reader.close()
@@ -279,9 +277,6 @@ class RingPoller:
                 log.warning("ignoring %s: %s%s", path, e, "" if self._refusal_logs else
                             " (further refused files are only counted: `vllm-tap status`)")
             return
-        reader.sink = self._sink(c.instance)
-        reader.batch_alloc = self._batch_alloc
-        reader.copier = self._copier
         ring = self._rings[c.key] = OpenRing(reader, c.instance, c.dir_fd, checked=now)
         if reader.resumed:
             self._facts.ring_resumed(c.instance, reader.name)
@@ -291,10 +286,9 @@ class RingPoller:
         log.info("reading ring %s (instance %s, rank %d, writer pid %d, epoch %d%s)", path, c.instance,
                  reader.rank, reader.writer_pid, reader.epoch, ", resuming a previous reader's cursor" if reader.resumed else "")
 
-    def _batch_alloc(self, nbytes: int) -> Any:
-        """Where a record read whole (a DataBatch), or a run of steps, goes: one region of the arena
-        for all of it, every byte of which the caller writes (the read, or step_runs.join)."""
-        return self._arena.alloc((nbytes,), np.uint8, overwrite=True) if self._arena is not None else None
+    def _block(self, nbytes: int) -> Any:
+        """Where a run of steps joined goes (step_runs.join): one block of the placement."""
+        return self._placement.block(nbytes) if self._placement is not None else None
 
     # -- writers --
 
@@ -407,10 +401,10 @@ class RingPoller:
             self._break(ring, time.monotonic(), str(e))
             return 0
         reader = ring.reader
-        if reader.sink_failures != ring.sink_failures and self._arena is not None:
-            self._arena.write_failed(reader.sink_failures - ring.sink_failures,
+        if reader.placement_failures != ring.placement_failures and self._arena is not None:
+            self._arena.write_failed(reader.placement_failures - ring.placement_failures,
                                      "a region handed out could not be written (EFAULT)")
-            ring.sink_failures = reader.sink_failures
+            ring.placement_failures = reader.placement_failures
         if recs:
             reader.read_ahead()  # the next large record copies while these are handled
         now = time.monotonic()  # the read time: delivery latency is measured from here
@@ -418,13 +412,13 @@ class RingPoller:
         instance, facts, c = ring.instance, self._facts, self.counters
         rejections = reader.rejections
         n = len(recs) + len(rejections)
-        for start, run in step_runs.plan(recs, {rej.index for rej in rejections}):
+        for start, run in step_runs.runs(recs, {rej.index for rej in rejections}):
             while rejections and rejections[0].index <= start:  # in the order they were read
                 self._rejected(instance, rejections.popleft(), now)
             rec = run[0]
             if len(run) > 1:
                 try:
-                    rec = step_runs.join(run, self._batch_alloc)
+                    rec = step_runs.join(run, self._block)
                     c.steps_joined += len(run)
                 except Exception:  # never worth a capture: feed its steps one by one
                     log.exception("decode steps from %s could not be joined", ring.path)
@@ -440,15 +434,13 @@ class RingPoller:
         facts.ring_read(instance, reader.name, reader.read_cursor, reader.written, now)
         return n
 
-    def _count(self, rec: Any) -> None:
+    def _count(self, rec: Record) -> None:
         c = self.counters
-        if type(rec) is DataBatch:
-            c.records_in += rec.parts
+        if type(rec) is DataRecord:
+            c.records_in += rec.n_slices
             c.payload_bytes_in += rec.nbytes
         else:
             c.records_in += 1
-            if rec.data is not None:
-                c.payload_bytes_in += rec.data.nbytes
 
     def _rejected(self, instance: str, rej: Any, now: float) -> None:
         if rej.request_ids:

@@ -75,6 +75,7 @@ from .curve import CurveServer
 from .instances import Instances
 from .peers import Peers
 from .pins import Pins
+from .placement import ArenaPlacement
 from .ring_poller import RingPoller
 from .sequence import SequenceCounter
 from .status import StatusView
@@ -152,7 +153,7 @@ class Daemon:
         self.instances = Instances(self.store, self.hub.dispatch, end_grace_s=config.end_grace_s,
                                    inflight_bytes=config.inflight_bytes)
         self.access = RingAccess.from_config(config)
-        self.rings = RingPoller(config.shm_dir, self.access, self.instances, self.instances.sink)
+        self.rings = RingPoller(config.shm_dir, self.access, self.instances)
         self.status = StatusView(self.endpoint, config.shm_dir, self.rings, self.instances, self.hub, self.store,
                                  self.watch)
         self._last_discovery = self._last_tick = self._last_probe = self._last_liveness = -1e9
@@ -372,7 +373,7 @@ class Daemon:
         self.arena.remove_dir = made
         if self.config.ring_copier:
             self.copier = Copier(self.arena)
-        self.rings.use_arena(self.arena, self.copier)
+        self.rings.use_arena(self.arena, ArenaPlacement(self.arena), self.copier)
         self.instances.use_arena(self.arena)
         self.hub.use_arena(self.arena)
         self.watch.use_arena(self.arena)

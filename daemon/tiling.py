@@ -7,7 +7,7 @@ if they do not, the step's positions are missing: a wrong concatenation is never
 read into their columns of one array (the ring reader asked where they go before it read them) are
 that array; others are concatenated once, in slice order.
 
-A record of whole tensors read whole (a DataBatch) needs no tiling: its sections are named here.
+A record of whole tensors needs no tiling: its sections are named here.
 """
 
 from __future__ import annotations
@@ -18,41 +18,27 @@ from typing import Any, Callable
 
 import numpy as np
 
-from vllm_tap.ring_records import DataBatch, RingRecord, TensorId
+from vllm_tap.ring_records import DataRecord, Slice, TensorId
 
 log = logging.getLogger(__name__)
 
 Alloc = Callable[[tuple[int, int], Any], "np.ndarray | None"]  # (shape, dtype) -> array, None: use the heap
 
-_NAMES: dict[TensorId, str] = {}
-
-
-def tensor_name(tid: TensorId) -> str:
-    name = _NAMES.get(tid)
-    if name is None:
-        name = _NAMES[tid] = tid.name
-    return name
-
-
-def record_bytes(r: RingRecord) -> int:
-    return (r.data.nbytes if r.data is not None else 0) + r.positions.nbytes + r.token_ids.nbytes
-
-
 @dataclass
 class StepGroup:
-    """The records of one (capture, step) seen so far."""
+    """The slices of one (capture, step) seen so far."""
 
     step: int
     expected_ranks: int
     positions: np.ndarray
     token_ids: np.ndarray
     num_prompt_tokens: int
-    parts: dict[int, dict[tuple, RingRecord]] = field(default_factory=dict)  # rank -> slice key -> record
+    parts: dict[int, dict[tuple, Slice]] = field(default_factory=dict)  # rank -> slice key -> slice
     wanted: dict[int, int] = field(default_factory=dict)  # rank -> rank_parts
     nbytes: int = 0
 
-    def add(self, r: RingRecord) -> int:
-        """Add a record; returns the change in bytes held."""
+    def add(self, r: Slice) -> int:
+        """Add a slice; returns the change in bytes held."""
         assert r.tensor is not None
         # Keyed by slice so a duplicate record replaces rather than double-counts.
         recs = self.parts.setdefault(r.rank, {})
@@ -60,7 +46,7 @@ class StepGroup:
         old = recs.get(k)
         recs[k] = r
         self.wanted[r.rank] = max(r.rank_parts, 1)
-        delta = record_bytes(r) - (record_bytes(old) if old is not None else 0)
+        delta = r.nbytes - (old.nbytes if old is not None else 0)
         self.nbytes += delta
         return delta
 
@@ -71,19 +57,18 @@ class StepGroup:
     def overlaps(self, lo: int, hi: int) -> bool:
         return bool(np.any((self.positions >= lo) & (self.positions < hi)))
 
-    def by_tensor(self) -> dict[TensorId, list[RingRecord]]:
-        out: dict[TensorId, list[RingRecord]] = {}
+    def by_tensor(self) -> dict[TensorId, list[Slice]]:
+        out: dict[TensorId, list[Slice]] = {}
         for recs in self.parts.values():
             for rec in recs.values():
                 out.setdefault(rec.tensor, []).append(rec)  # type: ignore[arg-type]
         return out
 
 
-def tile(request_id: str, g: StepGroup, by_tensor: dict[TensorId, list[RingRecord]],
-         targets: dict[TensorId, np.ndarray | None], alloc: Alloc | None
-         ) -> tuple[dict[str, np.ndarray], dict[str, int]] | None:
+def tile(request_id: str, g: StepGroup, alloc: Alloc | None) -> tuple[dict[str, np.ndarray], dict[str, int]] | None:
     """The step's tensors by name, [rows, full_dim] each, and their DType codes; None when some
-    tensor's slices do not tile [0, full_dim). `targets`: the arrays the slices were read into."""
+    tensor's slices do not tile [0, full_dim)."""
+    by_tensor = g.by_tensor()
     tensors: dict[str, np.ndarray] = {}
     dtypes: dict[str, int] = {}
     for tid in sorted(by_tensor, key=lambda t: (t.kind, t.layer)):
@@ -102,12 +87,12 @@ def tile(request_id: str, g: StepGroup, by_tensor: dict[TensorId, list[RingRecor
             return None
         # One record: its own array, no copy. Several: read into their places of one array, else one
         # concatenation in slice order.
-        name = tensor_name(tid)
+        name = tid.name
         if len(recs) == 1:
             tensors[name] = recs[0].data  # type: ignore[assignment]
         else:
-            t = targets.get(tid)
-            if t is not None and _tiles(t, recs):
+            t = recs[0].whole
+            if t is not None and all(x.whole is t for x in recs) and _tiles(t, recs):
                 tensors[name] = t
             else:
                 shape = (len(recs[0].data), full)  # type: ignore[arg-type]
@@ -121,7 +106,7 @@ def _addr(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
 
-def _tiles(t: np.ndarray, recs: list[RingRecord]) -> bool:
+def _tiles(t: np.ndarray, recs: list[Slice]) -> bool:
     """Every slice was read into its own columns of `t`, and they cover all of it."""
     base = _addr(t)
     step = t.dtype.itemsize
@@ -151,13 +136,15 @@ class Named(dict):
     row_bytes: int  # one position's bytes: every tensor's row, its position and its token id
 
 
-def named_sections(batch: DataBatch) -> Named:
+def named_sections(rec: DataRecord) -> Named:
+    """The sections of a record of whole tensors, by name."""
     named = Named()
     named.dtypes = {}
-    named.row_bytes = batch.positions.itemsize + batch.token_ids.itemsize
-    for tid, dtype, a in sorted(batch.sections, key=lambda s: (s[0].kind, s[0].layer)):
-        name = tensor_name(tid)
+    named.row_bytes = rec.positions.itemsize + rec.token_ids.itemsize
+    for sec in sorted(rec.sections, key=lambda s: (s.tensor.kind, s.tensor.layer)):
+        a = sec.data
+        name = sec.tensor.name
         named[name] = a
-        named.dtypes[name] = dtype
+        named.dtypes[name] = sec.dtype
         named.row_bytes += a.shape[1] * a.itemsize
     return named
