@@ -7,6 +7,6 @@ lives in vllm_tap.daemon, vllm_tap.client and vllm_tap.tools.
     keys      the CURVE key options every command that talks to the daemon shares
 """
 
-from vllm_tap.cli.commands import main
+from .commands import main
 
 __all__ = ["main"]

@@ -2,6 +2,6 @@
 
 import sys
 
-from vllm_tap.cli.commands import main
+from .commands import main
 
 sys.exit(main())

@@ -9,9 +9,10 @@ from typing import Any, Callable
 import click
 import numpy as np
 
-from vllm_tap.cli.keys import key_options
 from vllm_tap.client.stream import ENDPOINT_ENV
 from vllm_tap.daemon.cli_options import config_options
+
+from .keys import key_options
 
 
 def endpoint_option(f: Callable) -> Callable:
@@ -354,7 +355,7 @@ def keygen(directory: str, name: str) -> None:
 
 # -- record, export (datasets; vllm_tap.cli.datasets) --
 
-from vllm_tap.cli.datasets import register as _register_datasets  # noqa: E402
+from .datasets import register as _register_datasets  # noqa: E402
 
 _register_datasets(main)
 

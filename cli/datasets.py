@@ -13,7 +13,8 @@ from typing import Any, Iterator
 import click
 
 from vllm_tap import dataset_format as df
-from vllm_tap.cli.keys import key_options
+
+from .keys import key_options
 
 log = logging.getLogger("vllm_tap.record")
 

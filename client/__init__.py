@@ -20,18 +20,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_tap.client.aio import AsyncClient, AsyncSubscription
-from vllm_tap.client.errors import (
-    AmbiguousCapture, CaptureEvicted, CaptureLost, CaptureNotFound, CaptureTimeout, DaemonStopped, DaemonUnavailable,
-    KeyFileError, ProtocolError, Refused, TapError, TooSlow,
-)
-from vllm_tap.client.records import Capture, CaptureBegin, CaptureEnd, Chunk, Gap, Latents, TokenRecord
-from vllm_tap.client.stream import ENDPOINT_ENV, resolve_endpoint
-from vllm_tap.client.sync import Client, Subscription
-from vllm_tap.client.watch import (
-    AsyncWatch, DaemonStopping, LostCaptures, Watch, WatchData, WatchedCapture, WatchEnd, Watermark, WatchItem,
-    WatchRejected, WatchStart,
-)
+from .aio import AsyncClient, AsyncSubscription
+from .errors import (AmbiguousCapture, CaptureEvicted, CaptureLost, CaptureNotFound, CaptureTimeout, DaemonStopped,
+                     DaemonUnavailable, KeyFileError, ProtocolError, Refused, TapError, TooSlow)
+from .records import Capture, CaptureBegin, CaptureEnd, Chunk, Gap, Latents, TokenRecord
+from .stream import ENDPOINT_ENV, resolve_endpoint
+from .sync import Client, Subscription
+from .watch import (AsyncWatch, DaemonStopping, LostCaptures, Watch, WatchData, WatchedCapture, WatchEnd, Watermark,
+                    WatchItem, WatchRejected, WatchStart)
 
 
 def subscribe(name: str, index: int | None = None, instance: str | None = None, timeout: float = 30.0) -> Subscription:

@@ -7,20 +7,19 @@ from typing import Any, AsyncIterator
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from vllm_tap import wire_format as wf
 
-from zmq.utils.monitor import parse_monitor_message
-
-from vllm_tap.client.auth import client_keys, keyed_context
-from vllm_tap.client.errors import DaemonUnavailable, Refused
-from vllm_tap.client.records import Capture, CaptureBuilder, Chunk, Gap, Item
-from vllm_tap.client.stream import (
+from .auth import client_keys, keyed_context
+from .errors import DaemonUnavailable, Refused
+from .records import Capture, CaptureBuilder, Chunk, Gap, Item
+from .stream import (
     HEARTBEAT_S, RECONNECT_IVL_MAX_MS, REFUSAL_EVENTS, StreamState, SubscriptionView, close_monitored, refusal, refused_message, resolve_endpoint,
     unanswered, uses_curve,
 )
-from vllm_tap.client.sync import RCVHWM, parse_status
-from vllm_tap.client.watch import WATCH_HEARTBEAT_S, WATCH_TIMEOUT_S, AsyncWatch, watch_state
+from .sync import RCVHWM, parse_status
+from .watch import WATCH_HEARTBEAT_S, WATCH_TIMEOUT_S, AsyncWatch, watch_state
 
 
 class AsyncSubscription(SubscriptionView):

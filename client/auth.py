@@ -20,8 +20,9 @@ from typing import Mapping
 import zmq
 import zmq.auth
 
-from vllm_tap.client.errors import KeyFileError
 from vllm_tap.keys import load_pair
+
+from .errors import KeyFileError
 
 SERVER_KEY_ENV = "VLLM_TAP_SERVER_KEY"
 CLIENT_KEY_ENV = "VLLM_TAP_CLIENT_KEY"

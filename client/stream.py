@@ -17,14 +17,13 @@ import numpy as np
 import zmq
 
 from vllm_tap import wire_format as wf
-from vllm_tap.positions import PositionRanges
 from vllm_tap.defaults import default_endpoint
+from vllm_tap.positions import PositionRanges
 
-from vllm_tap.client.arena import OVERWRITTEN, ArenaUse
-from vllm_tap.client.errors import (
-    CaptureLost, CaptureNotFound, CaptureTimeout, DaemonStopped, DaemonUnavailable, ProtocolError, Refused, error_for,
-)
-from vllm_tap.client.records import CaptureBegin, CaptureEnd, Chunk, Gap, reducer_names, widen
+from .arena import OVERWRITTEN, ArenaUse
+from .errors import (CaptureLost, CaptureNotFound, CaptureTimeout, DaemonStopped, DaemonUnavailable, ProtocolError,
+                     Refused, error_for)
+from .records import CaptureBegin, CaptureEnd, Chunk, Gap, reducer_names, widen
 
 log = logging.getLogger(__name__)
 

@@ -6,19 +6,18 @@ import time
 from typing import Any, Iterator
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from vllm_tap import wire_format as wf
 
-from zmq.utils.monitor import recv_monitor_message
-
-from vllm_tap.client.auth import client_keys, keyed_context
-from vllm_tap.client.errors import DaemonUnavailable, ProtocolError, Refused, error_for
-from vllm_tap.client.records import Capture, CaptureBuilder, Chunk, Gap, Item
-from vllm_tap.client.stream import (
+from .auth import client_keys, keyed_context
+from .errors import DaemonUnavailable, ProtocolError, Refused, error_for
+from .records import Capture, CaptureBuilder, Chunk, Gap, Item
+from .stream import (
     HEARTBEAT_S, RECONNECT_IVL_MAX_MS, REFUSAL_EVENTS, StreamState, SubscriptionView, close_monitored, refusal, refused_message, resolve_endpoint,
     unanswered, uses_curve,
 )
-from vllm_tap.client.watch import WATCH_HEARTBEAT_S, WATCH_TIMEOUT_S, Watch, watch_state
+from .watch import WATCH_HEARTBEAT_S, WATCH_TIMEOUT_S, Watch, watch_state
 
 RCVHWM = 256  # messages buffered from the daemon; beyond that the daemon waits (and may cut us off)
 

@@ -1,6 +1,6 @@
 """Watch every capture: the client side of the resumable capture stream (numpy only).
 
-    from vllm_tap.client import Client, LostCaptures
+    from . import Client, LostCaptures
 
     w = Client().watch(since=last_stored_seq, source="policy")       # whole=True: one item per capture
     for item in w:
@@ -52,10 +52,10 @@ import zmq.asyncio
 from vllm_tap import wire_format as wf
 from vllm_tap.positions import PositionRanges
 
-from vllm_tap.client.arena import OVERWRITTEN, ArenaUse
-from vllm_tap.client.errors import DaemonStopped, DaemonUnavailable, ProtocolError, TapError, error_for
-from vllm_tap.client.records import Capture, CaptureBegin, CaptureBuilder, CaptureEnd, Chunk, Gap
-from vllm_tap.client.stream import decode_begin, decode_chunk, decode_end
+from .arena import OVERWRITTEN, ArenaUse
+from .errors import DaemonStopped, DaemonUnavailable, ProtocolError, TapError, error_for
+from .records import Capture, CaptureBegin, CaptureBuilder, CaptureEnd, Chunk, Gap
+from .stream import decode_begin, decode_chunk, decode_end
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from vllm_tap.safe_paths import (Expect, UnsafePath, dir_mode, ensure_dir, gid_of, group_name, me, open_dir, uid_of,
                                  user_name)
 
-from vllm_tap.daemon.config import DaemonConfig
+from .config import DaemonConfig
 
 log = logging.getLogger(__name__)
 

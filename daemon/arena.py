@@ -23,7 +23,7 @@ Rules this module keeps:
   region is taken again within milliseconds. A region handed out for anything but a whole overwrite
   has its stale blocks zeroed first, so every array the arena hands out reads as zeros until
   written, as fresh tmpfs pages do. A region that holds
-  a whole ring record (several captures' rows, ring_records.DataBatch), or a run of decode steps
+  a whole ring record (several captures' rows, ring_records.DataRecord), or a run of decode steps
   (daemon/step_runs), is freed when the last of them goes.
 - Regions are freed by the garbage collector: each region's arrays keep a small owner object
   alive, whose finalizer returns the region and bumps its generation. So every holder in the

@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 import click
 
-from vllm_tap.daemon.config import DaemonConfig
-from vllm_tap.daemon.config_load import DEFAULT_CONFIG_PATH, DOCS, env_var, flag_name
+from .config import DaemonConfig
+from .config_load import DEFAULT_CONFIG_PATH, DOCS, env_var, flag_name
 
 
 def config_options(f: Callable[..., Any]) -> Callable[..., Any]:

@@ -16,8 +16,9 @@ import sys
 import typing
 from typing import Any, Mapping
 
-from vllm_tap.daemon.config import DaemonConfig
 from vllm_tap.safe_paths import gid_of, uid_of
+
+from .config import DaemonConfig
 
 if sys.version_info >= (3, 11):
     import tomllib

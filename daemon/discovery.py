@@ -28,7 +28,7 @@ from typing import Iterator
 from vllm_tap import ring_format as rf
 from vllm_tap.safe_paths import Expect
 
-from vllm_tap.daemon import inotify as ino
+from . import inotify as ino
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +96,6 @@ class RingDirectory:
     @property
     def watching(self) -> bool:
         return self._inotify is not None and self._root_wd is not None
-
-    def instance_fd(self, instance: str) -> int | None:
-        inst = self._instances.get(instance)
-        return inst.fd if inst is not None else None
 
     def reject(self, c: Candidate, inode: int | None) -> None:
         """`c` is not a readable ring: skip it until its inode changes."""

@@ -16,6 +16,11 @@ one), in the daemon's own state directory. It is decoded against the schema belo
 a file that does not fit is logged in one line and ignored, never a reason not to start. Control
 records go back through the ring schema (vllm_tap.ring_schema.control_record), arrays are checked
 against their dtype and shape.
+
+This module is the codec between reassembly's state and the file: `export` makes an InFlight of a
+capture in flight (daemon/assembly.py), `resume` the Assembly an InFlight continues as, with the
+pending slices to feed again; the state machine itself only hands its assemblies out and adopts
+resumed ones.
 """
 
 from __future__ import annotations
@@ -26,6 +31,16 @@ from typing import Any
 
 import msgspec
 import numpy as np
+
+from vllm_tap import ring_format as rf
+from vllm_tap import ring_records
+from vllm_tap.ring_records import ControlRecord, TensorId
+from vllm_tap.ring_schema import control_record
+from vllm_tap.spec import CaptureSpec
+
+from .assembly import Assembly, Tally
+from .events import NOT_CAPTURED_PREVIOUS, Tokens
+from .ordering import Span, push
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +90,9 @@ class Slice(msgspec.Struct, forbid_unknown_fields=True):
     data: Array
 
 
-class Chunk(msgspec.Struct, forbid_unknown_fields=True):
-    """Consecutive positions ready for delivery: data (tensors by name), or a gap (reason)."""
+class HeldSpan(msgspec.Struct, forbid_unknown_fields=True):
+    """Consecutive positions ready for delivery (daemon/ordering.py Span): data (tensors by name), or
+    a gap (reason)."""
 
     start: int
     stop: int
@@ -87,7 +103,9 @@ class Chunk(msgspec.Struct, forbid_unknown_fields=True):
     dtypes: dict[str, int] = {}
 
 
-class Capture(msgspec.Struct, forbid_unknown_fields=True):
+class InFlight(msgspec.Struct, forbid_unknown_fields=True):
+    """One capture in flight, as the next daemon continues it."""
+
     request_id: str
     tap_key: str
     num_prompt_tokens: int
@@ -104,21 +122,21 @@ class Capture(msgspec.Struct, forbid_unknown_fields=True):
     sources: list[str]
     cut: str | None
     hold: int
-    chunks: list[Chunk]
+    spans: list[HeldSpan] = msgspec.field(name="chunks")
     slices: list[Slice]
     shed: str | None = None  # a worker shed it (SHED record read): it ends as one Gap with this reason
 
 
 class Handover(msgspec.Struct, forbid_unknown_fields=True):
     version: int
-    instances: dict[str, list[Capture]]
+    instances: dict[str, list[InFlight]]
 
 
 def path_in(state_dir: str) -> str:
     return os.path.join(state_dir, HANDOVER_FILE)
 
 
-def write(state_dir: str, instances: dict[str, list[Capture]]) -> int:
+def write(state_dir: str, instances: dict[str, list[InFlight]]) -> int:
     """Write the handover (replacing any); the number of captures in it. Nothing to hand over: no file."""
     n = sum(len(v) for v in instances.values())
     path = path_in(state_dir)
@@ -138,7 +156,7 @@ def write(state_dir: str, instances: dict[str, list[Capture]]) -> int:
     return n
 
 
-def take(state_dir: str) -> dict[str, list[Capture]]:
+def take(state_dir: str) -> dict[str, list[InFlight]]:
     """Read and delete the handover a previous daemon left ({} when there is none or it is unusable)."""
     path = path_in(state_dir)
     try:
@@ -170,3 +188,84 @@ def take(state_dir: str) -> dict[str, list[Capture]]:
         log.error("handover %s is version %d, this daemon reads %d: ignored", path, h.version, HANDOVER_VERSION)
         return {}
     return h.instances
+
+
+# -- the codec: reassembly's state <-> the file --
+
+
+def _meta(struct: Any, spec: CaptureSpec | None) -> dict[str, Any] | None:
+    """A decoded control meta (BeginMeta, EndMeta) as a plain meta the ring schema decodes the same
+    (its spec, kept raw there, from the decoded one)."""
+    if struct is None:
+        return None
+    out = {name: getattr(struct, name) for name in struct.__struct_fields__}
+    out.pop("spec", None)
+    if spec is not None:
+        out["spec"] = spec.to_meta()
+    return out
+
+
+def export(a: Assembly) -> InFlight:
+    """What was read of a capture in flight and not delivered."""
+    spans = []
+    for _, _, _, span in sorted(a.ready, key=lambda item: item[:3]):
+        t = span.tokens
+        if t is None:
+            spans.append(HeldSpan(span.start, span.stop, span.reason))
+        else:
+            spans.append(HeldSpan(span.start, span.stop, "", Array.of(t.positions), Array.of(t.token_ids),
+                                  {n: Array.of(x) for n, x in t.tensors.items()}, dict(t.dtypes)))
+    slices = [Slice(r.ring, r.epoch, r.rank, g.step, g.expected_ranks, r.rank_parts, int(r.tensor.kind), r.tensor.layer,
+                    r.dtype, r.slice_start, r.slice_stop, r.full_dim, r.num_prompt_tokens, Array.of(r.positions),
+                    Array.of(r.token_ids), Array.of(r.data))
+              for g in a.groups.values() for recs in g.parts.values() for r in recs.values()
+              if r.tensor is not None and r.data is not None]
+    return InFlight(
+        a.request_id, a.tap_key, a.num_prompt_tokens, a.lazy, a.source, _meta(a.begin, a.spec), _meta(a.end, a.spec),
+        a.spec.to_meta() if a.spec is not None else None, a.tail, a.start, a.frontier, a.stop, a.max_seen,
+        sorted(a.sources), a.cut, a.hold, spans, slices, a.shed)
+
+
+def resume(c: InFlight, instance: str, tally: Tally, now: float
+           ) -> tuple[Assembly, ControlRecord | None, list[ring_records.Slice]]:
+    """The Assembly a handed-over capture continues as (the positions the previous daemon delivered
+    first, as one Gap NOT_CAPTURED_PREVIOUS, then what it held), its END record (None if it had
+    none), and its pending slices to feed again. Raises ring_schema.Rejected, ValueError, KeyError
+    or TypeError for a capture that cannot be continued."""
+    begin = control_record(rf.RecordKind.BEGIN, c.request_id, c.begin, tap_key=c.tap_key) \
+        if c.begin is not None else None
+    end = control_record(rf.RecordKind.END, c.request_id, c.end, tap_key=c.tap_key) if c.end is not None else None
+    spans = []
+    for held in c.spans:
+        if held.positions is None:
+            spans.append(Span(held.start, held.stop, None, held.reason))
+        else:
+            pos, ids = held.positions.array(), held.token_ids.array() if held.token_ids is not None else None
+            tensors = {name: x.array() for name, x in held.tensors.items()}
+            spans.append(Span(held.start, held.stop, Tokens(instance, c.request_id, pos, ids, c.num_prompt_tokens,
+                                                           tensors, dict(held.dtypes), now)))
+    slices = [ring_records.Slice(
+        request_id=c.request_id, tap_key=c.tap_key, step=sl.step, rank=sl.rank,
+        expected_ranks=sl.expected_ranks, rank_parts=sl.rank_parts, tensor=TensorId.of(rf.TensorKind(sl.kind), sl.layer),
+        dtype=sl.dtype, slice_start=sl.slice_start, slice_stop=sl.slice_stop, full_dim=sl.full_dim,
+        num_prompt_tokens=sl.num_prompt_tokens, positions=sl.positions.array(), token_ids=sl.token_ids.array(),
+        data=sl.data.array(), ring=sl.ring, epoch=sl.epoch, source=c.source) for sl in c.slices]
+    spec = CaptureSpec.from_meta(c.spec) if c.spec is not None else None
+    a = Assembly(instance, c.request_id, c.tap_key, c.num_prompt_tokens, c.lazy, tally, source=c.source,
+                 inherited=True, hold=c.hold, tail=c.tail, max_seen=c.max_seen, sources=set(c.sources), cut=c.cut,
+                 shed=c.shed)
+    if begin is not None:
+        a.apply_begin(begin)
+    if spec is not None and a.spec is None:
+        a.apply_spec(spec, c.source)
+    a.source = c.source
+    start = c.start if c.start is not None else c.frontier
+    if start is not None:
+        a.start = a.frontier = a.first_frontier = start
+        if c.frontier is not None and c.frontier > start:  # delivered by the previous daemon
+            push(a, Span(start, c.frontier, None, NOT_CAPTURED_PREVIOUS))
+    if end is not None:
+        a.stop = c.stop
+    for span in spans:
+        push(a, span)
+    return a, end, slices

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 from vllm_tap import wire_format as wf
 from vllm_tap.positions import PositionRanges
 
-from vllm_tap.daemon.reassembly import Begin, End, Event, Gap, Tokens
-from vllm_tap.daemon.store import Entry
+from .events import Begin, End, Event, Gap, Tokens
+from .store import Entry
 
 if TYPE_CHECKING:
-    from vllm_tap.daemon.arena import Arena
+    from .arena import Arena
 
 Frames = list[Any]  # bytes headers and numpy buffers, sent without copying
 
@@ -93,7 +93,7 @@ def encode(ev: Event, entry: Entry, sub_id: int, from_position: int | None = Non
         if from_position is not None:
             if ev.stop <= from_position:
                 return None
-            ev = ev.cut(from_position)
+            ev = ev.since(from_position)
         cached = _wire(ev, arena)
         ids = cached[0]
         if arena is not None:

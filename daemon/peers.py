@@ -42,8 +42,8 @@ import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
-from vllm_tap.daemon.accept_gate import AcceptGate
-from vllm_tap.daemon.access import socket_path
+from .accept_gate import AcceptGate
+from .access import socket_path
 
 log = logging.getLogger(__name__)
 

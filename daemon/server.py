@@ -36,20 +36,27 @@ pins never hold more than half of arena_bytes in all (oldest let go first). A su
 than that finds the generation of a reused region moved: a Gap, never other bytes. A dead
 subscriber's pins go with its connection (the liveness probe notices within a second).
 
-Where each job lives: this module holds the Daemon's state, start-up, loop, handover, memory budget
-and shutdown; its methods for the rings (discovery, opening, polling, retiring) are in
-daemon/rings.py, for the subscribers (requests, subscriptions, delivery, pins) in
-daemon/subscribers.py, and for its status (counters, latency, snapshot) in daemon/status.py. The
-Daemon inherits them: one object, one thread, the same state, so no side waits for another.
+Where each job lives: the Daemon here is the wiring, start-up, loop and shutdown; it is composed of
+parts that each own their state behind a few methods, data flowing one way through them:
+
+    RingPoller (daemon/ring_poller.py)     finds, opens, watches and reads the rings
+        │ records and ring facts (its RingFacts)
+        ▼
+    Instances (daemon/instances.py)        a reassembler per engine instance (daemon/reassembly.py),
+        │ events                           the in-flight budget, the handover
+        ▼
+    SubscriberHub (daemon/subscribers.py)  files events (Store, WatchHub) and delivers them; requests,
+                                           subscriptions, pins (daemon/pins.py)
+    StatusView (daemon/status.py)          reads the parts for `status` and the metrics
+
+One thread drives them all, so no part waits for another.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import resource
-import select
 import threading
 import time
 from typing import Any, Callable
@@ -57,27 +64,24 @@ from typing import Any, Callable
 import zmq
 
 from vllm_tap import wire_format as wf
-
-from vllm_tap.daemon import handover
-from vllm_tap.daemon.arena import Arena
-from vllm_tap.daemon.copier import Copier
 from vllm_tap.safe_paths import UnsafePath
 
-from vllm_tap.daemon.access import (RingAccess, narrow_socket, prepare_arena_dir, prepare_socket_dir, socket_gid,
-                                    socket_path)
-from vllm_tap.daemon.config import DaemonConfig
-from vllm_tap.daemon.config_load import is_loopback
-from vllm_tap.daemon.curve import CurveServer
-from vllm_tap.daemon.discovery import RingDirectory
-from vllm_tap.daemon.peers import Peers
-from vllm_tap.daemon.reassembly import OVER_BUDGET, Reassembler
-from vllm_tap.daemon.rings import LOG_FIRST, OpenRing, RingSide
-from vllm_tap.daemon.sequence import SequenceCounter
-from vllm_tap.daemon.status import Counters, Histogram, StatusSide
-from vllm_tap.daemon.store import Entry, Store
-from vllm_tap.daemon.subscribers import SubscriberSide, Subscription
-from vllm_tap.daemon.watch import WatchHub
-from vllm_tap.doorbell import Doorbell
+from .access import RingAccess, narrow_socket, prepare_arena_dir, prepare_socket_dir, socket_gid, socket_path
+from .arena import Arena
+from .config import DaemonConfig
+from .config_load import is_loopback
+from .copier import Copier
+from .curve import CurveServer
+from .instances import Instances
+from .peers import Peers
+from .pins import Pins
+from .destination import ArenaDestination
+from .ring_poller import RingPoller
+from .sequence import SequenceCounter
+from .status import StatusView
+from .store import Store
+from .subscribers import HubLimits, SubscriberHub
+from .watch import WatchHub
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +122,7 @@ def raise_nofile_limit() -> int:
         return soft
 
 
-class Daemon(RingSide, SubscriberSide, StatusSide):
+class Daemon:
     """The daemon (see the module docstring); `run()` serves until `stop()`."""
 
     def __init__(self, config: DaemonConfig, *, on_ready: Callable[[], None] | None = None,
@@ -131,51 +135,43 @@ class Daemon(RingSide, SubscriberSide, StatusSide):
         # which could interrupt the main thread while it holds the Event's internal lock.
         self._stopping = False
         self._stop_reason = "daemon stopping"
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the parts against snapshot() from another thread
         self._sock: zmq.Socket | None = None
         self._peers: Peers | None = None
-        self._started_at = time.time()
-        self._rings: dict[tuple[str, str], OpenRing] = {}
-        self._order: list[OpenRing] = []  # engine rings first: BEGINs are then usually read before their data
-        self._by_pidfd: dict[int, OpenRing] = {}
-        self._broken: list[dict[str, Any]] = []  # rings dropped because they changed under the daemon (last 100)
-        self.access = RingAccess.from_config(config)
-        self._dir = RingDirectory(config.shm_dir, root_rule=self.access.root, dir_rule=self.access.dirs)
-        self._reasm: dict[str, Reassembler] = {}
-        self.store = Store(config.retain_bytes, config.retain_ttl_s)
-        # watch: sequence numbers and watchers (daemon/watch.py); told of every filed event and drop
-        self.watch = WatchHub()
-        self.store.on_drop = self.watch.dropped
-        self._subs: dict[tuple[bytes, int], Subscription] = {}
-        self._by_conn: dict[bytes, set[Subscription]] = {}  # routing id -> its subscriptions
-        self._by_key: dict[tuple[str, str], set[Subscription]] = {}
-        self._pending: dict[str, set[Subscription]] = {}  # name -> subscriptions waiting for it
-        self._n_pending = 0
-        self._deadlines: list[tuple[float, int, Subscription]] = []  # heap of pending subscriptions' deadlines
-        self._seq = itertools.count()
-        self._active: set[Subscription] = set()  # subscriptions with something to send
-        self._latency = Histogram()
-        self.counters = Counters()
-        self._last_discovery = self._last_tick = self._last_probe = self._last_liveness = -1e9
-        self._fd_events = select.poll()
-        self._fd_due = False
-        self._doorbell: Doorbell | None = None  # writers wake us through it; bound once shm_dir exists
+        self.nofile = 0
         self.arena: Arena | None = None  # delivered arrays; created at start-up (arena_bytes > 0)
         self.copier: Copier | None = None  # copies large ring payloads into the arena (daemon/copier.py)
-        # Captures fully handed to an arena subscriber's socket, kept until it had time to copy them:
-        # routing id -> [(deadline, entry, subscription id)], plus the bytes they hold (see the
-        # module docstring). A client that read to the End says so (a cancel): its pins go then.
-        self._pins: dict[bytes, list[tuple[float, Entry, int | None]]] = {}
-        self._pinned_bytes = 0
-        self.nofile = 0
-        self._refusal_logs = LOG_FIRST
-        self._closed_ring_counts = (0, 0)  # rejected, corrupt of rings no longer read
+        self.store = Store(config.retain_bytes, config.retain_ttl_s)
+        self.pins = Pins(config.arena_linger_s, config.arena_bytes // 2)
+        # watch: sequence numbers and watchers (daemon/watch.py); told of every filed event and drop
+        self.watch = WatchHub(pin=lambda rid, entry: self.pins.pin(rid, entry, None, time.monotonic()))
+        self.store.on_drop = self.watch.dropped
+        self.hub = SubscriberHub(self.store, self.watch, self.pins,
+                                 HubLimits(config.subscriber_queue, config.max_subscriptions,
+                                           config.max_subscriptions_per_connection),
+                                 status=self._snapshot)
+        self.instances = Instances(self.store, self.hub.dispatch, end_grace_s=config.end_grace_s,
+                                   inflight_bytes=config.inflight_bytes)
+        self.access = RingAccess.from_config(config)
+        self.rings = RingPoller(config.shm_dir, self.access, self.instances)
+        self.status = StatusView(self.endpoint, config.shm_dir, self.rings, self.instances, self.hub, self.store,
+                                 self.watch)
+        self._last_discovery = self._last_tick = self._last_probe = self._last_liveness = -1e9
+        self._fd_due = False
 
     def stop(self, reason: str = "daemon stopping") -> None:
         """Ask run() to return; safe from a signal handler or any thread."""
         if not self._stopping:
             self._stop_reason = reason
         self._stopping = True
+
+    def snapshot(self) -> dict[str, Any]:
+        """The status (daemon/status.py); another thread may call it."""
+        with self._lock:
+            return self._snapshot()
+
+    def _snapshot(self) -> dict[str, Any]:
+        return self.status.snapshot(arena=self.arena, copier=self.copier, peers=self._peers, nofile=self.nofile)
 
     def run(self) -> None:
         self.nofile = raise_nofile_limit()
@@ -208,13 +204,14 @@ class Daemon(RingSide, SubscriberSide, StatusSide):
                 raise DaemonError(f"cannot listen on {self.endpoint}: {e}") from None
             narrow_socket(self.endpoint, gid)
             self._sock = sock
+            self.hub.serve(sock)
             # watch: the persisted sequence counter; SequenceStateError stops start-up (one line)
             self.watch.open(SequenceCounter(self.config.resolved_state_dir()))
             with self._lock:
-                self._take_handover(time.monotonic())
-                self._discover(time.monotonic())
+                self.instances.take_handover(self.config.resolved_state_dir(), time.monotonic())
+                self.rings.discover(time.monotonic())
             log.info("serving %s; watching %s (%d rings, %s; descriptor limit %d)", self.endpoint,
-                     self.config.shm_dir, len(self._rings), "inotify" if self._dir.fileno() is not None else "scanning",
+                     self.config.shm_dir, len(self.rings.rings), "inotify" if self.rings.uses_inotify else "scanning",
                      self.nofile)
             if self._on_ready is not None:
                 self._on_ready()
@@ -226,6 +223,7 @@ class Daemon(RingSide, SubscriberSide, StatusSide):
                         self._shutdown()
             finally:
                 self._sock = None
+                self.hub.serve(None)
                 if self.copier is not None:
                     self.copier.close()
                 if self.arena is not None:
@@ -274,6 +272,7 @@ class Daemon(RingSide, SubscriberSide, StatusSide):
                 poller.register(s, zmq.POLLIN)
         watched: set[int] = set()
         polled_bell = None
+        rings = self.rings
         while not self._stopping:
             with self._lock:
                 now = time.monotonic()
@@ -288,15 +287,13 @@ class Daemon(RingSide, SubscriberSide, StatusSide):
                 with self._lock:
                     self.arena.sweep()
             # Descriptors that wake the loop besides the socket: inotify, and one pidfd per writer.
-            want = set(self._by_pidfd)
-            if self._dir.fileno() is not None:
-                want.add(self._dir.fileno())
+            want = rings.wake_fds()
             for fd in watched - want:
                 poller.unregister(fd)
             for fd in want - watched:
                 poller.register(fd, zmq.POLLIN)
             watched = want
-            bell = self._doorbell
+            bell = rings.doorbell
             if bell is not None:
                 # Writers ring after a commit while we sleep (the rings' waiting flags): wait for that
                 # or a request. The timer is the tick, and a backstop for a writer that could not
@@ -304,15 +301,14 @@ class Daemon(RingSide, SubscriberSide, StatusSide):
                 if polled_bell is not bell:
                     poller.register(bell.fileno(), zmq.POLLIN)
                     polled_bell = bell
-                readers = [r.reader for r in self._order]
-                if not _arm(readers):
+                if not rings.arm():
                     continue  # a commit came in as we were about to sleep: read it first
                 try:
                     woke = dict(poller.poll(timeout=max(interval, DOORBELL_BACKSTOP_S) * 1000))
                 finally:
-                    _disarm(readers)
+                    rings.disarm()
                 if bell.fileno() in woke:
-                    self.counters.doorbell_wakeups += bell.drain()
+                    rings.drain_doorbell()
                 if any(fd in woke for fd in watched):
                     self._fd_due = True
                 continue
@@ -329,34 +325,33 @@ class Daemon(RingSide, SubscriberSide, StatusSide):
                     self._fd_due = True
 
     def _step(self, now: float) -> bool:
+        rings, hub = self.rings, self.hub
         busy = self._peers.pump() if self._peers is not None else False
         tick = now - self._last_tick >= TICK_INTERVAL_S
         if self._fd_due or tick:
             self._fd_due = False
-            self._check_fds(now)
+            rings.check_writers(now)
         if now - self._last_discovery >= DISCOVERY_INTERVAL_S:
             self._last_discovery = now
-            self._discover(now)
-        busy |= self._read_rings()
-        busy |= self._recv(now)
+            rings.discover(now)
+        busy |= rings.read()
+        busy |= hub.recv(now)
         if tick:
             self._last_tick = now
-            for reasm in self._reasm.values():
-                self._dispatch(reasm.tick(now), now)
-            self._shed(now)
+            self.instances.tick(now)
             self.store.evict(now)
             if self.arena is not None:
                 self.arena.sweep(now)
             self.watch.tick(now)
-            self._expire_pending(now)
+            hub.expire(now)
             if now - self._last_liveness >= LIVENESS_INTERVAL_S:
                 self._last_liveness = now
-                self._check_rings(now)
+                rings.check_rings(now)
             if now - self._last_probe >= PROBE_INTERVAL_S:
                 self._last_probe = now
-                self._probe_peers()
-        busy |= self._send_all()
-        busy |= self.watch.pump(self._send, now)
+                hub.probe()
+        busy |= hub.send_all()
+        busy |= self.watch.pump(hub.send, now)
         return busy
 
     def _open_arena(self, gid: int | None) -> None:
@@ -378,73 +373,24 @@ class Daemon(RingSide, SubscriberSide, StatusSide):
         self.arena.remove_dir = made
         if self.config.ring_copier:
             self.copier = Copier(self.arena)
-        self.watch.arena = self.arena
-        self.watch.pin = self._pin
-        for r in self._reasm.values():
-            r.alloc = self.arena.alloc
-
-    def _hand_over(self) -> None:
-        """A graceful stop: what was read of the captures in flight and not delivered, for the next daemon."""
-        try:
-            state = {inst: reasm.export_state() for inst, reasm in self._reasm.items()}
-            n = handover.write(self.config.resolved_state_dir(), state)
-        except Exception as e:  # a stop must complete whatever this finds
-            log.error("cannot hand the captures in flight over to the next daemon (%s): they end with it", e,
-                      exc_info=not isinstance(e, OSError))
-            return
-        if n:
-            log.info("handed %d captures in flight over to the next daemon", n)
-
-    def _take_handover(self, now: float) -> None:
-        taken = handover.take(self.config.resolved_state_dir())
-        for inst, captures in taken.items():
-            self._dispatch(self._reassembler(inst).restore(captures, now), now)
-        if taken:
-            log.info("continuing %d captures in flight handed over by the previous daemon",
-                     sum(len(v) for v in taken.values()))
-
-    def inflight_bytes(self) -> int:
-        return sum(r.held_bytes for r in self._reasm.values()) + self.store.inflight_bytes
-
-    def _shed(self, now: float) -> None:
-        """Keep captures in flight inside inflight_bytes: cut the biggest until they fit."""
-        over = self.inflight_bytes() - self.config.inflight_bytes
-        if over <= 0:
-            return
-        sizes = []
-        for inst, reasm in self._reasm.items():
-            for rid, held in reasm.request_bytes():
-                sizes.append((held + self.store.history_bytes((inst, rid)), inst, rid))
-        sizes.sort(reverse=True)
-        for size, inst, rid in sizes:
-            if over <= 0:
-                break
-            reason = f"{OVER_BUDGET}: captures in flight held more than inflight_bytes={self.config.inflight_bytes}"
-            log.warning("capture %s/%s cut (%d bytes): %s", inst, rid, size, reason)
-            self.counters.captures_cut += 1
-            self._dispatch(self._reasm[inst].cut(rid, now, reason), now)
-            self.store.shed((inst, rid), reason)
-            over -= size
+        self.rings.use_arena(self.arena, ArenaDestination(self.arena), self.copier)
+        self.instances.use_arena(self.arena)
+        self.hub.use_arena(self.arena)
+        self.watch.use_arena(self.arena)
 
     def _shutdown(self) -> None:
         reason = self._stop_reason
-        for sub in list(self._subs.values()):
-            self._fail(sub, wf.E_STOPPING, reason, STOP_FLUSH_S)
+        hub = self.hub
+        hub.fail_all(wf.E_STOPPING, reason, STOP_FLUSH_S)
         self.watch.stop(reason, time.monotonic())
         deadline = time.monotonic() + STOP_FLUSH_S
-        while (self._active or self.watch.busy) and time.monotonic() < deadline:
-            self._send_all()
-            self.watch.pump(self._send, time.monotonic())
-            if self._active or self.watch.busy:
+        while (hub.busy or self.watch.busy) and time.monotonic() < deadline:
+            hub.send_all()
+            self.watch.pump(hub.send, time.monotonic())
+            if hub.busy or self.watch.busy:
                 time.sleep(0.005)
-        self._hand_over()
-        for ring in list(self._rings.values()):
-            self._close_ring(ring)  # read cursors live in the files and are current after every poll
-        self._order = []
-        self._dir.close()
-        if self._doorbell is not None:
-            self._doorbell.close()
-            self._doorbell = None
+        self.instances.hand_over(self.config.resolved_state_dir())
+        self.rings.close()
         if self.copier is not None:
             self.copier.close()
         if self.arena is not None:
@@ -470,39 +416,6 @@ def _prepare_endpoint(endpoint: str, ctx: zmq.Context, gid: int | None = None) -
             raise DaemonError(f"another daemon is already serving {endpoint}")
     elif not endpoint.startswith(("tcp://", "inproc://")):
         raise DaemonError(f"unsupported endpoint {endpoint!r}: use ipc://PATH or tcp://HOST:PORT")
-
-
-_FENCE = threading.Lock()
-
-
-def _arm(readers: list) -> bool:
-    """Raise every ring's waiting flag before sleeping, then look again (futex-style: a writer that
-    committed before it saw the flag is found here; one that commits after it rings). False, with
-    the flags lowered, when something is there to read."""
-    for r in readers:
-        try:
-            r.set_waiting(True)
-        except OSError:
-            pass  # a broken ring: the next read finds out
-    with _FENCE:  # a locked instruction: our flag stores are visible before the cursor loads below
-        pass
-    for r in readers:
-        try:
-            new = r.has_new()
-        except Exception:  # noqa: BLE001 - RingBroken and the like: let the next round handle it
-            new = True
-        if new:
-            _disarm(readers)
-            return False
-    return True
-
-
-def _disarm(readers: list) -> None:
-    for r in readers:
-        try:
-            r.set_waiting(False)
-        except OSError:
-            pass
 
 
 def _answers(ctx: zmq.Context, endpoint: str, timeout_s: float = 0.3) -> bool:

@@ -18,9 +18,9 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from vllm_tap.daemon.config import DaemonConfig
-from vllm_tap.daemon.config_load import ConfigError, flag_name, load_config
-from vllm_tap.daemon.sdnotify import Notifier
+from .config import DaemonConfig
+from .config_load import ConfigError, flag_name, load_config
+from .sdnotify import Notifier
 
 log = logging.getLogger("vllm_tap.daemon.service")
 
@@ -201,8 +201,8 @@ class _Service:
 def run_service(config: DaemonConfig, env: Mapping[str, str] | None = None) -> int:
     """Run the daemon until SIGTERM/SIGINT; 0 after an orderly stop, 1 when it could not run."""
     setup_logging(config.log_level, env)
-    from vllm_tap.daemon.server import AccessError, Daemon, DaemonError  # lazily: other CLI commands need none of it
-    from vllm_tap.daemon.sequence import SequenceStateError
+    from .server import AccessError, Daemon, DaemonError  # lazily: other CLI commands need none of it
+    from .sequence import SequenceStateError
 
     # The daemon keeps many small objects alive for a while (an event per capture and step until
     # retention lets it go): collections of the young generation, at the default threshold every
@@ -216,7 +216,7 @@ def run_service(config: DaemonConfig, env: Mapping[str, str] | None = None) -> i
     try:
         svc.daemon = Daemon(config, on_ready=svc.on_ready, on_tick=svc.on_tick)
         if config.metrics_addr:
-            from vllm_tap.daemon.metrics import start_metrics_server
+            from .metrics import start_metrics_server
 
             svc.snapshots = MainLoopSnapshots(svc.daemon.snapshot)
             try:

@@ -1,4 +1,4 @@
-"""Decode steps of the same captures, read from one ring in one round, joined into one batch.
+"""Decode steps of the same captures, read from one ring in one round, joined into one record.
 
 A daemon that is behind reads many records of a ring per round. Each decode step of 64 captures is
 64 Tokens events, each filed, checked and dispatched in Python: ~5 µs a capture, so the daemon's
@@ -8,15 +8,16 @@ daemon that keeps up reads one step per round and is not affected.
 
 Rules this module keeps:
 - Only whole decode steps join: every table slot one row (ring_schema.one_row_each), every tensor
-  of the step in the batch (a step written as several records is joined first, DataBatch.joined),
+  whole and of the step in the record (a step written as several records is joined first,
+  DataRecord.joined),
   of the same ring, epoch and rank, with the same request table and tensors, each row's position
   one past its position in the step before. The caller joins only records read one after another,
   with nothing rejected between them.
 - Only small records join (RUN_RECORD_BYTES): joining copies the rows (a capture's rows of the run
   lie together), which pays where a step's Python costs more than its bytes; a large record costs
   its bytes, not its steps. A run stops at RUN_BYTES, so its buffer stays one arena region.
-- A joined batch keeps its steps (DataBatch.steps): a capture that cannot take the direct way gets
-  the records of each step, as if nothing had been joined; what it delivers is the same either way.
+- A joined record keeps its steps (DataRecord.steps): a capture that cannot take the direct way gets
+  the slices of each step, as if nothing had been joined; what it delivers is the same either way.
 
 Layout of a run of k steps of n rows (capture-major, so capture i's rows are one slice):
 
@@ -30,7 +31,7 @@ from typing import Any, Callable, Collection, Iterator
 
 import numpy as np
 
-from vllm_tap.ring_records import DataBatch
+from vllm_tap.ring_records import DataRecord, Section
 from vllm_tap.ring_schema import one_row_each
 
 RUN_RECORD_BYTES = 256 << 10  # records above this are not joined
@@ -39,9 +40,9 @@ RUN_BYTES = 16 << 20  # a run's payload at most
 _GROUPS: dict[tuple[int, int], list[tuple[int, Any]]] = {}
 
 
-def plan(recs: list, breaks: Collection[int]) -> Iterator[tuple[int, list]]:
+def runs(recs: list, breaks: Collection[int]) -> Iterator[tuple[int, list]]:
     """What to feed, in order, of the records one round read: (index of its first record, the steps
-    to feed as one: one record, a step written as several records joined (DataBatch.joined), or
+    to feed as one: one record, a step written as several records joined (DataRecord.joined), or
     several such steps to `join`). `breaks`: indices of records that a rejected record came just
     before: nothing joins across one."""
     i, n = 0, len(recs)
@@ -65,9 +66,9 @@ def plan(recs: list, breaks: Collection[int]) -> Iterator[tuple[int, list]]:
 
 def _step_at(recs: list, i: int, breaks: Collection[int]) -> tuple[Any, int]:
     """The record at i, and the index after it. A step written as several records (hidden states,
-    then logits) is one batch again when they were read together, with nothing rejected between."""
+    then logits) is one record again when they were read together, with nothing rejected between."""
     rec = recs[i]
-    while (type(rec) is DataBatch and rec.wants_more and i + 1 < len(recs) and type(recs[i + 1]) is DataBatch
+    while (type(rec) is DataRecord and rec.wants_more and i + 1 < len(recs) and type(recs[i + 1]) is DataRecord
            and i + 1 not in breaks):
         joined = rec.joined(recs[i + 1])
         if joined is None:
@@ -77,25 +78,26 @@ def _step_at(recs: list, i: int, breaks: Collection[int]) -> tuple[Any, int]:
 
 
 def joinable(b: object) -> bool:
-    """A batch that may start or extend a run: a whole decode step of a small record."""
-    return (type(b) is DataBatch and b.steps is None and not b.wants_more
+    """A record that may start or extend a run: a whole decode step of a small record of whole tensors."""
+    return (type(b) is DataRecord and b.steps is None and not b.wants_more and b.all_whole
             and b.groups is one_row_each(len(b.groups)) and 0 < b.nbytes <= RUN_RECORD_BYTES)
 
 
-def continues(prev: DataBatch, nxt: DataBatch, run_bytes: int) -> bool:
+def continues(prev: DataRecord, nxt: DataRecord, run_bytes: int) -> bool:
     """`nxt` (joinable) is the step after `prev` for the same captures and tensors."""
     if (nxt.ring != prev.ring or nxt.epoch != prev.epoch or nxt.rank != prev.rank or nxt.step <= prev.step
             or run_bytes + nxt.nbytes > RUN_BYTES or len(nxt.sections) != len(prev.sections)
             or (nxt.entries is not prev.entries and nxt.entries != prev.entries)):
         return False
-    for (t1, d1, a1), (t2, d2, a2) in zip(prev.sections, nxt.sections):
-        if t1 != t2 or d1 != d2 or a1.shape != a2.shape or a1.dtype != a2.dtype:
+    for s1, s2 in zip(prev.sections, nxt.sections):
+        a1, a2 = s1.data, s2.data
+        if s1.tensor != s2.tensor or s1.dtype != s2.dtype or a1.shape != a2.shape or a1.dtype != a2.dtype:
             return False
     return bool(np.array_equal(nxt.positions, prev.positions + 1))
 
 
-def join(run: list[DataBatch], alloc: Callable[[int], Any] | None) -> DataBatch:
-    """One batch for a run of steps (`continues` held for each pair): capture i's rows of every step
+def join(run: list[DataRecord], alloc: Callable[[int], Any] | None) -> DataRecord:
+    """One record for a run of steps (`continues` held for each pair): capture i's rows of every step
     together, in a buffer from `alloc` (an arena region; the heap when it gives None)."""
     first = run[0]
     n, k = len(first.groups), len(run)
@@ -105,12 +107,13 @@ def join(run: list[DataBatch], alloc: Callable[[int], Any] | None) -> DataBatch:
         buf = np.empty(total, np.uint8)
     sections = []
     at = 0
-    for s, (tid, dtype, a) in enumerate(first.sections):
+    for s, sec in enumerate(first.sections):
+        a = sec.data
         width = a.shape[1]
         nb = n * k * width * a.itemsize
         out = buf[at : at + nb].view(a.dtype).reshape(n, k, width)
-        np.stack([b.sections[s][2] for b in run], axis=1, out=out)
-        sections.append((tid, dtype, out.reshape(n * k, width)))
+        np.stack([b.sections[s].data for b in run], axis=1, out=out)
+        sections.append(Section.whole_of(sec.tensor, sec.dtype, out.reshape(n * k, width)))
         at += nb
     positions = np.stack([b.positions for b in run], axis=1).reshape(-1)
     token_ids = np.stack([b.token_ids for b in run], axis=1).reshape(-1)
@@ -119,5 +122,5 @@ def join(run: list[DataBatch], alloc: Callable[[int], Any] | None) -> DataBatch:
         if len(_GROUPS) >= 256:
             _GROUPS.clear()
         groups = _GROUPS[(n, k)] = [(i, slice(i * k, (i + 1) * k)) for i in range(n)]
-    return DataBatch(first.step, first.rank, first.ring, first.epoch, first.entries, positions, token_ids, groups,
-                     sections, steps=run)
+    return DataRecord(first.step, first.rank, first.ring, first.epoch, first.entries, positions, token_ids, groups,
+                      sections, steps=run)

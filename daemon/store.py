@@ -16,7 +16,8 @@ from typing import Callable
 
 from vllm_tap import wire_format as wf
 from vllm_tap.identity import identify
-from vllm_tap.daemon.reassembly import Begin, End, Event, Gap, Tokens
+
+from .events import Begin, End, Event, Gap, Tokens
 
 log = logging.getLogger(__name__)
 

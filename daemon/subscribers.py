@@ -1,9 +1,9 @@
-"""The daemon's subscriber side: requests in, subscriptions resolved by name, events filed and
-delivered, slow or vanished peers cut off, arena pins held and let go.
+"""The subscriber hub: requests in from the daemon's socket, subscriptions resolved by name, the
+events reassembly hands it filed (the store, the watch) and delivered, slow or vanished peers cut
+off, arena pins held and let go (daemon/pins.py).
 
-Methods of the Daemon (daemon/server.py), which owns the state they use: the subscriptions
-(`_subs`, `_by_conn`, `_by_key`, `_pending`, `_deadlines`, `_active`), the pins (`_pins`,
-`_pinned_bytes`), the socket and the counters. Sends never block: a subscriber more than
+It owns the subscriptions, the pins, its counters and the delivery latency; the socket is the
+daemon's, lent to it while the daemon serves. Sends never block: a subscriber more than
 `subscriber_queue` live messages behind is cut off as too slow, so it cannot hold up the rings or
 the other subscribers; each gets at most SEND_BATCH messages per round.
 """
@@ -12,21 +12,25 @@ from __future__ import annotations
 
 import errno
 import heapq
+import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import zmq
 
 from vllm_tap import wire_format as wf
 
-from vllm_tap.daemon.arena import Arena
-from vllm_tap.daemon.messages import Frames, encode_run
-from vllm_tap.daemon.reassembly import Begin, Event, Tokens
-from vllm_tap.daemon.store import Entry, LookupFailed
+from .arena import Arena
+from .latency import Histogram
+from .messages import Frames, encode_run
+from .pins import Pins
+from .events import Begin, Event, Tokens
+from .store import Entry, LookupFailed, Store
+from .watch import WatchHub
 
-log = logging.getLogger("vllm_tap.daemon.server")  # the daemon logs under one name, whichever side speaks
+log = logging.getLogger(__name__)
 
 SEND_BATCH = 64  # messages per subscriber per round, for fairness between subscribers
 TOO_SLOW_FLUSH_S = 5.0  # how long a cut-off subscriber's error is retried
@@ -54,15 +58,78 @@ class Subscription:
         return (self.envelope[0], self.req.id)
 
 
+@dataclass
+class HubCounters:
+    """What the hub counts, reported by the status view."""
+
+    delivered_messages: int = 0
+    delivered_bytes: int = 0
+    arena_messages: int = 0  # tokens messages sent as arena descriptors (their payload bytes below)
+    arena_bytes: int = 0
+    subscribers_total: int = 0
+    subscribers_too_slow: int = 0
+    subscriptions_refused: int = 0
+    subscriptions_dropped_peer_gone: int = 0
+    bad_requests: int = 0
+    by_type: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HubLimits:
+    subscriber_queue: int  # live messages a subscriber may be behind before it is cut off
+    max_subscriptions: int
+    max_subscriptions_per_connection: int
+
+
 def _frames_nbytes(frames: Frames) -> int:
     return sum(len(f) if isinstance(f, (bytes, bytearray)) else f.nbytes for f in frames)
 
 
-class SubscriberSide:
-    """The subscriber side of the Daemon (mixed into it)."""
+class SubscriberHub:
+    """Subscriptions, pins and the requests of every peer of the daemon's socket."""
 
-    def _dispatch(self, events: list[Event], now: float) -> None:
-        add, filed, by_key, active = self.store.add, self.watch.filed, self._by_key, self._active
+    def __init__(self, store: Store, watch: WatchHub, pins: Pins, limits: HubLimits,
+                 status: Callable[[], dict[str, Any]]):
+        self._store = store
+        self._watch = watch
+        self.pins = pins
+        self._limits = limits
+        self._status = status
+        self._sock: zmq.Socket | None = None
+        self._arena: Arena | None = None
+        self._subs: dict[tuple[bytes, int], Subscription] = {}
+        self._by_conn: dict[bytes, set[Subscription]] = {}  # routing id -> its subscriptions
+        self._by_key: dict[tuple[str, str], set[Subscription]] = {}
+        self._pending: dict[str, set[Subscription]] = {}  # name -> subscriptions waiting for it
+        self.waiting = 0  # subscriptions waiting for their name
+        self._deadlines: list[tuple[float, int, Subscription]] = []  # heap of pending subscriptions' deadlines
+        self._tiebreak = itertools.count()
+        self._active: set[Subscription] = set()  # subscriptions with something to send
+        self.latency = Histogram()
+        self.counters = HubCounters()
+
+    def serve(self, sock: zmq.Socket | None) -> None:
+        """Answer on `sock` (the daemon's ROUTER socket) from now on; None: no longer."""
+        self._sock = sock
+
+    def use_arena(self, arena: Arena) -> None:
+        """Subscribers that offer to map it get descriptors into `arena`."""
+        self._arena = arena
+
+    @property
+    def subscriptions(self) -> int:
+        return len(self._subs)
+
+    @property
+    def busy(self) -> bool:
+        """Something is waiting to be sent."""
+        return bool(self._active)
+
+    # -- events in (from reassembly) --
+
+    def dispatch(self, events: list[Event], now: float) -> None:
+        """File each event (store, watch) and wake the subscriptions of its capture."""
+        add, filed, by_key, active = self._store.add, self._watch.filed, self._by_key, self._active
         for ev in events:
             entry = add(ev, now)
             if entry is None:
@@ -84,37 +151,40 @@ class SubscriberSide:
                 self._unpend(sub)
                 self._resolve(sub, now)
 
+    # -- subscriptions --
+
     def _pend(self, sub: Subscription) -> None:
         sub.pending = True
         self._pending.setdefault(sub.req.name, set()).add(sub)
-        self._n_pending += 1
-        heapq.heappush(self._deadlines, (sub.deadline, next(self._seq), sub))
+        self.waiting += 1
+        heapq.heappush(self._deadlines, (sub.deadline, next(self._tiebreak), sub))
 
     def _unpend(self, sub: Subscription) -> None:
         if not sub.pending:
             return
         sub.pending = False
-        self._n_pending -= 1
+        self.waiting -= 1
         waiting = self._pending.get(sub.req.name)
         if waiting is not None:
             waiting.discard(sub)
             if not waiting:
                 del self._pending[sub.req.name]
 
-    def _expire_pending(self, now: float) -> None:
+    def expire(self, now: float) -> None:
+        """Subscriptions whose name did not appear in time."""
         d = self._deadlines
         while d and d[0][0] <= now:
             deadline, _, sub = heapq.heappop(d)
             if sub.pending and sub.deadline == deadline:
                 self._not_found(sub)
-        if len(d) > 4 * max(self._n_pending, 1024):  # replaced or resolved subscriptions left behind
+        if len(d) > 4 * max(self.waiting, 1024):  # replaced or resolved subscriptions left behind
             self._deadlines = [x for x in d if x[2].pending and x[2].deadline == x[0]]
             heapq.heapify(self._deadlines)
 
     def _resolve(self, sub: Subscription, now: float) -> None:
         r = sub.req
         try:
-            entry = self.store.resolve(r.name, r.index, r.instance)
+            entry = self._store.resolve(r.name, r.index, r.instance)
         except LookupFailed as e:
             self._fail(sub, e.code, e.message)
             return
@@ -128,7 +198,7 @@ class SubscriberSide:
         sub.index = 0
         sub.live_from = len(entry.history)
         self._by_key.setdefault(entry.key, set()).add(sub)
-        self.store.touch(entry)
+        self._store.touch(entry)
         self._active.add(sub)
 
     def _not_found(self, sub: Subscription) -> None:
@@ -136,6 +206,11 @@ class SubscriberSide:
         what = repr(r.name) + (f" index {r.index}" if r.index is not None else "") + (
             f" in instance {r.instance!r}" if r.instance is not None else "")
         self._fail(sub, wf.E_NOT_FOUND, f"no capture named {what} appeared within {r.timeout:g} s")
+
+    def fail_all(self, code: str, message: str, flush_s: float) -> None:
+        """End every subscription with an error (the daemon is stopping)."""
+        for sub in list(self._subs.values()):
+            self._fail(sub, code, message, flush_s)
 
     def _fail(self, sub: Subscription, code: str, message: str, flush_s: float = 1.0) -> None:
         """End a subscription with an error message (sent as soon as the socket takes it)."""
@@ -148,10 +223,10 @@ class SubscriberSide:
 
     def _too_slow(self, sub: Subscription) -> None:
         self.counters.subscribers_too_slow += 1
-        log.warning("subscriber %s to %r is more than %d messages behind: cut off",
-                    sub.envelope[0].hex(), sub.req.name, self.config.subscriber_queue)
-        self._fail(sub, wf.E_TOO_SLOW, f"too slow: more than {self.config.subscriber_queue} messages behind",
-                   TOO_SLOW_FLUSH_S)
+        queue = self._limits.subscriber_queue
+        log.warning("subscriber %s to %r is more than %d messages behind: cut off", sub.envelope[0].hex(),
+                    sub.req.name, queue)
+        self._fail(sub, wf.E_TOO_SLOW, f"too slow: more than {queue} messages behind", TOO_SLOW_FLUSH_S)
 
     def _add(self, sub: Subscription) -> None:
         self._subs[sub.key] = sub
@@ -179,69 +254,27 @@ class SubscriberSide:
                     del self._by_key[sub.entry.key]
             sub.entry = None
 
-    def _pin(self, routing_id: bytes, entry: Entry, sub_id: int | None = None) -> None:
-        if self.config.arena_linger_s <= 0:
-            return
-        self._pins.setdefault(routing_id, []).append((time.monotonic() + self.config.arena_linger_s, entry, sub_id))
-        self._pinned_bytes += entry.nbytes
-        cap = self.config.arena_bytes // 2
-        if self._pinned_bytes > cap:
-            self._unpin(lambda deadline: True, self._pinned_bytes - cap)
+    # -- peers --
 
-    def _unpin(self, drop: Callable[[float], bool], at_least: int = 1 << 62, peers: Any = None) -> None:
-        """Let go of the pins `drop(deadline)` picks, oldest first until at_least bytes went, of `peers` or all."""
-        items = sorted(((pin[0], k, rid, pin) for rid in (peers if peers is not None else list(self._pins))
-                        for k, pin in enumerate(self._pins.get(rid, ()))), key=lambda x: x[:2])
-        freed = 0
-        gone: set[int] = set()
-        for deadline, _, rid, pin in items:
-            if freed >= at_least:
-                break
-            if drop(deadline):
-                gone.add(id(pin))
-                freed += pin[1].nbytes
-        if not gone:
-            return
-        for rid in {x[2] for x in items}:
-            kept = [pin for pin in self._pins.get(rid, ()) if id(pin) not in gone]
-            if kept:
-                self._pins[rid] = kept
-            else:
-                self._pins.pop(rid, None)
-        self._pinned_bytes -= freed
-
-    def _release(self, routing_id: bytes, sub_id: int) -> None:
-        """A client cancels a subscription that already ended: it has read (copied) everything up
-        to the End, so what was pinned for it may go now rather than at its deadline."""
-        pins = self._pins.get(routing_id)
-        if not pins:
-            return
-        kept = [p for p in pins if p[2] != sub_id]
-        if len(kept) == len(pins):
-            return
-        self._pinned_bytes -= sum(p[1].nbytes for p in pins if p[2] == sub_id)
-        if kept:
-            self._pins[routing_id] = kept
-        else:
-            del self._pins[routing_id]
+    def pin(self, routing_id: bytes, entry: Entry, sub_id: int | None = None) -> None:
+        """Keep `entry` a while: its last message went to a peer that maps the arena (daemon/pins.py)."""
+        self.pins.pin(routing_id, entry, sub_id, time.monotonic())
 
     def _peer_gone(self, routing_id: bytes) -> None:
-        if routing_id in self._pins:
-            self._unpin(lambda deadline: True, peers=[routing_id])
+        self.pins.peer_gone(routing_id)
         subs = self._by_conn.get(routing_id, ())
         self.counters.subscriptions_dropped_peer_gone += len(subs)
         for sub in list(subs):
             self._remove(sub)
 
-    def _probe_peers(self) -> None:
-        """Connections that hold subscriptions but went away silently (a waiting subscription gets no
-        sends that would notice): a one-frame ping each, which clients ignore."""
+    def probe(self) -> None:
+        """Connections that hold subscriptions or pins but went away silently (a waiting subscription
+        gets no sends that would notice): a one-frame ping each, which clients ignore. Pins whose time
+        is up go."""
         assert self._sock is not None
         ping = wf.pack(wf.PING, None)
-        if self._pins:
-            now = time.monotonic()
-            self._unpin(lambda deadline: deadline <= now)
-        for rid in [r for r in self._pins if r not in self._by_conn]:  # pins of peers with nothing else here
+        self.pins.expire(time.monotonic())
+        for rid in [r for r in self.pins.peers() if r not in self._by_conn]:  # pins of peers with nothing else here
             try:
                 self._sock.send_multipart([rid, ping], flags=zmq.NOBLOCK)
             except zmq.Again:
@@ -261,7 +294,9 @@ class SubscriberSide:
                 if e.errno == errno.EHOSTUNREACH:
                     self._peer_gone(rid)
 
-    def _send(self, envelope: list[bytes], frames: Frames) -> bool | None:
+    # -- sending --
+
+    def send(self, envelope: list[bytes], frames: Frames) -> bool | None:
         """True if sent, False if the peer's queue is full now, None if the peer is gone."""
         assert self._sock is not None
         try:
@@ -283,7 +318,7 @@ class SubscriberSide:
         sent = 0
         while sent < SEND_BATCH:
             if sub.final is not None:
-                ok = self._send(sub.envelope, sub.final)
+                ok = self.send(sub.envelope, sub.final)
                 if ok or ok is None or time.monotonic() >= sub.final_deadline:
                     self._remove(sub)
                 return bool(ok) or sent > 0
@@ -292,7 +327,7 @@ class SubscriberSide:
                 self._active.discard(sub)
                 if e is not None and e.end is not None:
                     if sub.arena is not None:
-                        self._pin(sub.envelope[0], e, sub.req.id)
+                        self.pin(sub.envelope[0], e, sub.req.id)
                     self._remove(sub)  # everything up to the End went out
                 return sent > 0
             ev = e.history[sub.index]
@@ -302,7 +337,7 @@ class SubscriberSide:
                 if sub.frames is None:  # before from_position
                     sub.index += 1
                     continue
-            ok = self._send(sub.envelope, sub.frames)
+            ok = self.send(sub.envelope, sub.frames)
             if ok is None:
                 log.debug("subscriber %s went away", sub.envelope[0].hex())
                 self._peer_gone(sub.envelope[0])
@@ -310,7 +345,7 @@ class SubscriberSide:
             if not ok:
                 # The socket holds SNDHWM messages for this peer and refused another: what is
                 # left is our queue for it. Past the bound it is too slow (a replay does not count).
-                if len(e.history) - max(sub.index, sub.live_from) > self.config.subscriber_queue:
+                if len(e.history) - max(sub.index, sub.live_from) > self._limits.subscriber_queue:
                     self._too_slow(sub)
                 return sent > 0
             n = sub.covers
@@ -320,24 +355,28 @@ class SubscriberSide:
             if sub.index + n > sub.live_from:
                 now = time.monotonic()
                 for i in range(max(sub.index, sub.live_from), sub.index + n):
-                    self._latency.observe(now - e.history[i].at)
+                    self.latency.observe(now - e.history[i].at)
             sub.index += n
             sub.frames = None
             sub.covers = 1
             sent += 1
         return True
 
-    def _send_all(self) -> bool:
+    def send_all(self) -> bool:
+        """Every subscription with something to send, a batch each; True if anything went out."""
         busy = False
         for sub in list(self._active):
             busy |= self._pump_sub(sub)
         return busy
 
     def _reply(self, envelope: list[bytes], frames: Frames) -> None:
-        if not self._send(envelope, frames):
+        if not self.send(envelope, frames):
             log.debug("reply to %s dropped (peer busy or gone)", envelope[0].hex())
 
-    def _recv(self, now: float) -> bool:
+    # -- requests --
+
+    def recv(self, now: float) -> bool:
+        """Take the requests waiting on the socket (a bounded number); True if there were any."""
         assert self._sock is not None
         got = False
         for _ in range(100):
@@ -359,16 +398,16 @@ class SubscriberSide:
             kind = type(req).__name__
             self.counters.by_type[kind] = self.counters.by_type.get(kind, 0) + 1
             if isinstance(req, wf.StatusRequest):
-                self._reply(envelope, [wf.pack(wf.STATUS, req.id, status=self._snapshot())])
+                self._reply(envelope, [wf.pack(wf.STATUS, req.id, status=self._status())])
             elif isinstance(req, wf.Cancel):
                 old = self._subs.get((envelope[0], req.id))
                 if old is not None:
                     self._remove(old)
                 else:
-                    self._release(envelope[0], req.id)
-                    self.watch.cancel(envelope, req.id)
+                    self.pins.release(envelope[0], req.id)
+                    self._watch.cancel(envelope, req.id)
             elif isinstance(req, wf.WatchRequest):
-                refused = self.watch.attach(envelope, req, now)
+                refused = self._watch.attach(envelope, req, now)
                 if refused is not None:
                     self.counters.bad_requests += 1
                     self._reply(envelope, refused)
@@ -385,16 +424,17 @@ class SubscriberSide:
                         self._reply(envelope, wf.error_frames(wf.E_LIMIT, why, req.id))
                         continue
                     self.counters.subscribers_total += 1
-                sub = Subscription(envelope, req, deadline=now + req.timeout, arena=self.arena if req.arena else None)
+                sub = Subscription(envelope, req, deadline=now + req.timeout,
+                                   arena=self._arena if req.arena else None)
                 self._add(sub)
                 self._resolve(sub, now)
         return got
 
     def _over_limit(self, routing_id: bytes) -> str:
-        cfg = self.config
-        if len(self._by_conn.get(routing_id, ())) >= cfg.max_subscriptions_per_connection:
-            return (f"this connection already has {cfg.max_subscriptions_per_connection} subscriptions "
+        lim = self._limits
+        if len(self._by_conn.get(routing_id, ())) >= lim.max_subscriptions_per_connection:
+            return (f"this connection already has {lim.max_subscriptions_per_connection} subscriptions "
                     "(max_subscriptions_per_connection)")
-        if len(self._subs) >= cfg.max_subscriptions:
-            return f"the daemon already serves {cfg.max_subscriptions} subscriptions (max_subscriptions)"
+        if len(self._subs) >= lim.max_subscriptions:
+            return f"the daemon already serves {lim.max_subscriptions} subscriptions (max_subscriptions)"
         return ""

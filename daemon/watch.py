@@ -51,10 +51,10 @@ from typing import Any, Callable
 
 from vllm_tap import wire_format as wf
 
-from vllm_tap.daemon.messages import Frames, arena_advert, encode
-from vllm_tap.daemon.reassembly import Begin, End, Event, Tokens
-from vllm_tap.daemon.sequence import SequenceCounter
-from vllm_tap.daemon.store import Entry
+from .messages import Frames, arena_advert, encode
+from .events import Begin, End, Event, Tokens
+from .sequence import SequenceCounter
+from .store import Entry
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class Watcher:
 
 
 class WatchHub:
-    def __init__(self) -> None:
+    def __init__(self, pin: "Callable[[bytes, Entry], None] | None" = None) -> None:
         self.seqs: SequenceCounter | None = None
         self._by_seq: dict[int, Entry] = {}
         # Sorted seqs given out, with dropped ones left in until compaction (_by_seq is the truth):
@@ -166,7 +166,7 @@ class WatchHub:
         self._drops = 0
         self._watchers: dict[tuple[bytes, int], Watcher] = {}
         self.arena: Any = None  # the daemon's delivery arena (daemon/arena.py), once it has one
-        self.pin: Callable[[bytes, Entry], None] | None = None  # keep a capture sent whole through the arena a while
+        self.pin = pin  # keep a capture sent whole through the arena a while (daemon/pins.py)
         self.arena_messages = 0  # tokens messages sent as descriptors, and the payload bytes they name
         self.arena_bytes = 0
         self._active: set[Watcher] = set()
@@ -176,6 +176,10 @@ class WatchHub:
         self.lost_total: dict[str, int] = {r: 0 for r in wf.LOST_REASONS}  # captures reported lost, by reason
 
     # -- life --
+
+    def use_arena(self, arena: Any) -> None:
+        """Watchers that offer to map it get descriptors into `arena`."""
+        self.arena = arena
 
     def open(self, counter: SequenceCounter) -> None:
         self.seqs = counter.open() if counter.first == 0 else counter

@@ -67,21 +67,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_tap.hooks import guard
-from vllm_tap.hooks.admission import Admission
-from vllm_tap.hooks.cost import StepCost
-from vllm_tap.hooks.parts import (CHOSEN_ID, LOGIT_PARTS, LOGITS_ID, LSE_ID, STATE_PARTS, TOPK_IDS_ID,
-                                  TOPK_VALUES_ID, Part, hidden_id, reducer_ids, section, stored_dtype, tensor_ids,
-                                  tensors_per_step)
-from vllm_tap.hooks.publisher import DeviceIndices, Publisher, gather_rows, report_drop
-from vllm_tap.hooks.reducer_ops import DeviceReducer
-from vllm_tap.hooks.reductions import logsumexp_rows, topk_rows
-from vllm_tap.hooks.steady_step import SteadyRecord, SteadyStep
-from vllm_tap.hooks.step_view import RankPlace, StepView, host_ids, shard
-from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
 from vllm_tap.ring_records import RequestRef, RequestTable
 from vllm_tap.ring_writer import RingWriter
 from vllm_tap.spec import DEFAULT_SHED_AT, CaptureSpec, DTypeMode, LogitsMode
+
+from . import guard
+from .admission import Admission
+from .cost import StepCost
+from .parts import (CHOSEN_ID, LOGIT_PARTS, LOGITS_ID, LSE_ID, STATE_PARTS, TOPK_IDS_ID, TOPK_VALUES_ID, Part, hidden_id,
+                    reducer_ids, section, stored_dtype, tensor_ids, tensors_per_step)
+from .publisher import DeviceIndices, Publisher, gather_rows, report_drop
+from .reducer_ops import DeviceReducer
+from .reductions import logsumexp_rows, topk_rows
+from .settings import SPEC_EXTRA_ARG
+from .steady_step import SteadyRecord, SteadyStep
+from .step_view import RankPlace, StepView, host_ids, shard
 
 # StepView, RankPlace, host_ids and shard live in hooks/step_view.py; the adapters take them from here.
 __all__ = ["CaptureCore", "CaptureStep", "RankPlace", "StepView", "host_ids", "shard"]

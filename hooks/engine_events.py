@@ -34,14 +34,15 @@ import threading
 import time
 
 from vllm_tap import ring_format as rf
-from vllm_tap.hooks.settings import SPEC_EXTRA_ARG, TapConfigError, instance_name, server_config
-from vllm_tap.hooks.topology import placement_of
 from vllm_tap.identity import N_EXTRA_ARG
 from vllm_tap.placement import encode as encode_placement
 from vllm_tap.ring_files import RingSpaceError, ring_path
 from vllm_tap.ring_writer import RingWriter
 from vllm_tap.safe_paths import UnsafePath
 from vllm_tap.spec import CaptureOptionError, CaptureSpec
+
+from .settings import SPEC_EXTRA_ARG, TapConfigError, instance_name, server_config
+from .topology import placement_of
 
 log = logging.getLogger("vllm_tap.hooks")
 

@@ -14,8 +14,9 @@ from typing import NamedTuple
 import torch
 
 from vllm_tap import ring_format as rf
-from vllm_tap.hooks.publisher import STORAGE
 from vllm_tap.ring_records import TensorId
+
+from .publisher import STORAGE
 
 
 class Part(NamedTuple):

@@ -15,7 +15,7 @@ import logging
 import sys
 from typing import Callable
 
-from vllm_tap.hooks.vllm_logging import log_like_vllm
+from .vllm_logging import log_like_vllm
 
 log = logging.getLogger("vllm_tap.hooks")
 
@@ -25,7 +25,7 @@ _done: set[str] = set()
 
 
 def _patch_targets() -> dict[str, Callable]:
-    from vllm_tap.hooks import engine_events, runner_v1, runner_v2, startup, validation
+    from . import engine_events, runner_v1, runner_v2, startup, validation
 
     return {
         "vllm.engine.arg_utils": startup.patch_module,

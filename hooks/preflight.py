@@ -22,12 +22,13 @@ from __future__ import annotations
 import logging
 
 from vllm_tap import ring_format as rf
-from vllm_tap.hooks import ring_size
-from vllm_tap.hooks.engine_events import ENGINE_RING_BYTES
-from vllm_tap.hooks.settings import TapConfigError
 from vllm_tap.ring_files import ensure_shm_dir, free_bytes
 from vllm_tap.safe_paths import UnsafePath
 from vllm_tap.spec import ServerCaptureConfig
+
+from . import ring_size
+from .engine_events import ENGINE_RING_BYTES
+from .settings import TapConfigError
 
 log = logging.getLogger("vllm_tap.hooks")
 

@@ -25,16 +25,17 @@ import logging
 
 import torch
 
-from vllm_tap.hooks import support
-from vllm_tap.hooks.capture_core import CaptureCore, RankPlace
-from vllm_tap.hooks.publisher import make_publisher
-from vllm_tap.hooks.reducer_ops import DeviceReducer
-from vllm_tap.hooks.settings import TapConfigError, instance_name, server_config
-from vllm_tap.hooks.topology import home_writers, placement_of
 from vllm_tap.placement import encode as encode_placement
-from vllm_tap.spec import SERVER_CONFIG_KEY
 from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_writer import RingWriter
+from vllm_tap.spec import SERVER_CONFIG_KEY
+
+from . import support
+from .capture_core import CaptureCore, RankPlace
+from .publisher import make_publisher
+from .reducer_ops import DeviceReducer
+from .settings import TapConfigError, instance_name, server_config
+from .topology import home_writers, placement_of
 
 log = logging.getLogger("vllm_tap.hooks")
 

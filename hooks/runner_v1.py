@@ -22,9 +22,9 @@ from __future__ import annotations
 import functools
 from time import perf_counter_ns
 
-from vllm_tap.hooks import guard
-from vllm_tap.hooks.capture_core import StepView, host_ids
-from vllm_tap.hooks.runner_patch import pop_stage_aux, wrap_load
+from . import guard
+from .capture_core import StepView, host_ids
+from .runner_patch import pop_stage_aux, wrap_load
 
 
 def step_view(runner, state, *, aux=None, stage: bool = False) -> StepView:

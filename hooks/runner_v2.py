@@ -37,9 +37,9 @@ from time import perf_counter_ns
 
 import numpy as np
 
-from vllm_tap.hooks import guard
-from vllm_tap.hooks.capture_core import CaptureCore, CaptureStep, StepView, host_ids
-from vllm_tap.hooks.runner_patch import pop_stage_aux, wrap_load
+from . import guard
+from .capture_core import CaptureCore, CaptureStep, StepView, host_ids
+from .runner_patch import pop_stage_aux, wrap_load
 
 
 class SlotRows:

@@ -15,10 +15,11 @@ from __future__ import annotations
 import functools
 import logging
 
-from vllm_tap.hooks import preflight, support
-from vllm_tap.hooks.settings import TapConfigError, server_config
-from vllm_tap.hooks.vllm_logging import log_like_vllm
 from vllm_tap.spec import SERVER_CONFIG_KEY
+
+from . import preflight, support
+from .settings import TapConfigError, server_config
+from .vllm_logging import log_like_vllm
 
 log = logging.getLogger("vllm_tap.hooks")
 

@@ -38,13 +38,14 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from vllm_tap.hooks.parts import (CHOSEN_ID, LOGIT_PARTS, LOGITS_ID, LSE_ID, STATE_PARTS, TOPK_IDS_ID,
-                                  TOPK_VALUES_ID, hidden_id, reducer_ids, section, stored_dtype)
-from vllm_tap.hooks.publisher import report_drop
-from vllm_tap.hooks.reductions import log_softmax_f32, topk_into
-from vllm_tap.hooks.step_view import StepView
 from vllm_tap.ring_records import RequestTable
 from vllm_tap.ring_writer import RingWriter
+
+from .parts import (CHOSEN_ID, LOGIT_PARTS, LOGITS_ID, LSE_ID, STATE_PARTS, TOPK_IDS_ID, TOPK_VALUES_ID, hidden_id,
+                    reducer_ids, section, stored_dtype)
+from .publisher import report_drop
+from .reductions import log_softmax_f32, topk_into
+from .step_view import StepView
 
 
 class Core(Protocol):

@@ -19,7 +19,7 @@ import os
 import re
 from typing import Any
 
-from vllm_tap.hooks.settings import TapConfigError
+from .settings import TapConfigError
 
 SUPPORTED_VLLM = ("0.26", "0.32", "0.33")
 ALLOW_ENV = "VLLM_TAP_ALLOW_UNSUPPORTED_VLLM"

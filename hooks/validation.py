@@ -20,11 +20,12 @@ from __future__ import annotations
 import functools
 import logging
 
-from vllm_tap.hooks.settings import SPEC_EXTRA_ARG, server_config
 from vllm_tap.identity import N_EXTRA_ARG
 from vllm_tap.policy import choose_spec
 from vllm_tap.spec import CaptureOptionError, CaptureSpec, is_reserved_key, wants_capture
 from vllm_tap.windows import shown
+
+from .settings import SPEC_EXTRA_ARG, server_config
 
 log = logging.getLogger("vllm_tap.hooks")
 

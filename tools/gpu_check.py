@@ -44,6 +44,7 @@ from vllm_tap.hooks.publisher import CudaBackend, HostBackend, StagedPublisher, 
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
 from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_reader import RingReader
+from vllm_tap.ring_records import per_tensor
 from vllm_tap.ring_writer import RingWriter
 from vllm_tap.spec import CaptureSpec
 
@@ -161,7 +162,7 @@ def run_scenario(sc: Scenario, vocab: int, hidden: int, device, shm: str, ring_b
             sync()
             t2 = time.perf_counter()
             pub.drain()
-            recs = reader.poll()
+            recs = per_tensor(reader.poll())
             if k == 0:
                 mismatches += _check(recs, view, sc, aux, logits, ids, qsl)
                 captured_bytes = sum(r.data.nbytes for r in recs)

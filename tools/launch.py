@@ -131,10 +131,6 @@ class ServerHandle:
                 raise TimeoutError(f"vLLM server not healthy after {timeout:.0f}s:\n{_tail(self.log_path)}")
             time.sleep(0.5)
 
-    def wait_exit(self, timeout: float) -> int:
-        assert self.proc is not None
-        return self.proc.wait(timeout)
-
     def stop(self) -> None:
         _stop(self.proc)
 
@@ -163,7 +159,3 @@ def gpu_server_args(max_model_len: int = 1024, gpu_memory_utilization: float = 0
     the card with others."""
     return ["--dtype", dtype, "--gpu-memory-utilization", str(gpu_memory_utilization),
             "--max-model-len", str(max_model_len)]
-
-
-def scratch_dir(prefix: str) -> str:
-    return tempfile.mkdtemp(prefix=prefix)

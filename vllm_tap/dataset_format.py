@@ -109,10 +109,6 @@ def layer_of(name: str) -> int:
     return i if m.group(2) == "pre" else i + 1
 
 
-def is_hook_column(name: str) -> bool:
-    return bool(_HOOK_RE.match(name))
-
-
 def check_writer_id(writer: str) -> str:
     if not _WRITER_RE.match(writer):
         raise ValueError(f"writer id {writer!r}: use 1-128 characters from A-Z a-z 0-9 . _ - (not starting with . _ -)")
@@ -174,21 +170,6 @@ class TensorLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def layer_numbers(self) -> list[int]:
         return sorted(layer_of(n) for n in self.layers)
-
-    def tensor_columns(self) -> list[str]:
-        cols = [hook_name(l) for l in self.layer_numbers()]
-        k = self.logits.kind
-        if k == LOGITS_FULL:
-            cols.append(COL_LOGITS)
-        elif k == LOGITS_TOPK:
-            cols += [COL_TOPK_IDS, COL_TOPK_LOGITS]
-        elif k == LOGITS_INDICES:
-            cols.append(COL_CHOSEN_LOGITS)
-        if k != LOGITS_NONE:
-            cols.append(COL_LOGSUMEXP)
-        for name, r in sorted(self.reducers.items()):
-            cols += reduced_columns(name, r.kind)
-        return cols
 
     def describe(self) -> str:
         parts = [f"{n}[{h}]" for n, h in sorted(self.layers.items(), key=lambda kv: layer_of(kv[0]))]

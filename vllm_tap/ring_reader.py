@@ -18,7 +18,7 @@ import os
 import stat
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import numpy as np
@@ -27,8 +27,9 @@ from vllm_tap import placement
 from vllm_tap import ring_format as rf
 from vllm_tap import ring_schema
 from vllm_tap.placement import Placement
-from vllm_tap.ring_records import DataBatch, RingRecord
 from vllm_tap.ring_files import RingFormatError
+from vllm_tap.ring_payload import Destination, Landing, land
+from vllm_tap.ring_records import Record
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +119,31 @@ def _placement(path: str, head: bytes) -> Placement | None:
         return placement.decode(head[at : at + n])
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise RingFormatError(f"{path}: bad placement ({e})") from None
+class Copier(Protocol):
+    """Copies a payload from a ring into a buffer another way than pread (the daemon's copier, a
+    child process that maps the rings)."""
+
+    def copy(self, reader: "RingReader", offset: int, buf: np.ndarray) -> bool:
+        """Copy len(buf) bytes at file `offset` into buf now; False: read it with pread after all."""
+
+    def start(self, reader: "RingReader", offset: int, buf: np.ndarray) -> Any:
+        """Start such a copy and return at once: a token for finish(), or None."""
+
+    def finish(self, token: Any) -> bool:
+        """Wait for a started copy; whether it landed."""
+
+    def forget(self, reader: "RingReader") -> None:
+        """The reader is closed."""
 
 
 class RingReader:
-    """The consumer side: copies records out with pread and persists the read cursor in the file."""
+    """The consumer side: copies records out with pread and persists the read cursor in the file.
+
+    `destination` says where DATA payloads go (vllm_tap.ring_payload: the daemon's delivery arena; by
+    default the heap), `copier` copies large ones another way than pread (and the next one ahead)."""
 
     def __init__(self, path: str, *, dir_fd: int | None = None, name: str | None = None, writable: bool = True,
-                 require_allocated: bool = True):
+                 require_allocated: bool = True, destination: Destination | None = None, copier: Copier | None = None):
         self.path = path
         self.name = name or os.path.basename(path)
         fd = _ring_fd(path, dir_fd, name, writable)
@@ -149,7 +168,7 @@ class RingReader:
                 raise RingFormatError(f"{path}: inconsistent header (size {st.st_size}, capacity {capacity})")
             if not -1 <= rank < 0xFFFF or not 0 < world <= 0xFFFF:
                 raise RingFormatError(f"{path}: inconsistent header (rank {rank} of {world})")
-            placement = _placement(path, head) if version >= 7 else None
+            where = _placement(path, head) if version >= 7 else None
             read = int.from_bytes(head[rf.READ_CURSOR_OFFSET : rf.READ_CURSOR_OFFSET + 8], "little")
             write = int.from_bytes(head[rf.WRITE_CURSOR_OFFSET : rf.WRITE_CURSOR_OFFSET + 8], "little")
             if require_allocated and not allocated_enough(st, write, capacity):
@@ -167,30 +186,23 @@ class RingReader:
         self.writer_pid = pid
         self.rank = rank
         self.world_size = world
-        self.placement = placement
+        self.placement = where
         self._writable = writable
         self._r = read
         self.written = read  # the writer's cursor as the last poll found it (before reading)
         self.resumed = read > 0  # a previous reader consumed part of it (a restarted daemon)
         self.corrupt = 0
         self.rejected = 0
-        self.sink_failures = 0  # records the sink's arrays could not take (read privately instead)
+        self.destination_failures = 0  # records the destination's memory could not take (read privately instead)
         self.rejections: collections.deque = collections.deque(maxlen=_KEEP_REJECTIONS)
         self._scratch = np.empty(0, np.uint8)
         self._table_cache = ring_schema.TableCache()
-        # Where DATA payloads go (the daemon's delivery arena, placed by reassembly): see ring_schema.Sink.
-        self.sink: ring_schema.Sink | None = None
-        # Set (the daemon): a DATA record of whole tensors comes back as one DataBatch, its payloads
-        # read with one copy into the buffer this gives (ring_schema.BatchAlloc), not as one
-        # RingRecord per request and tensor.
-        self.batch_alloc: ring_schema.BatchAlloc | None = None
-        # Copies a large payload into a batch buffer another way than pread (the daemon's copier:
-        # `copy(reader, offset, buf) -> bool`, False to read it here after all; `forget(reader)`).
-        self.copier: Any = None
-        # The next large record's payload on its way into a batch buffer through the copier, asked
-        # for by read_ahead while the daemon handles the last one: (cursor, bytes, buffer, token). By
-        # cursor, not file offset: a cursor never comes back, an offset does every lap.
-        self._ahead: tuple[int, int, np.ndarray, Any] | None = None
+        self.destination = destination
+        self.copier = copier
+        # The next large record's payload on its way into its block through the copier, asked for by
+        # read_ahead while the daemon handles the last one: (cursor, landing, token). By cursor, not
+        # file offset: a cursor never comes back, an offset does every lap.
+        self._ahead: tuple[int, Landing, Any] | None = None
         self._at_cursor = 0  # the cursor of the record poll is reading
         self._last_large = False  # the last record poll read was a large DATA record
         self.read_aheads = 0  # copies read_ahead started, and of those, the ones poll took
@@ -336,7 +348,7 @@ class RingReader:
 
     # -- records --
 
-    def poll(self, max_records: int = 1 << 30, max_bytes: int = 1 << 62) -> list[RingRecord | DataBatch]:
+    def poll(self, max_records: int = 1 << 30, max_bytes: int = 1 << 62) -> list[Record]:
         """Copy out committed records (up to the limits) and advance the persisted read cursor.
 
         Records that do not fit the schema are skipped and kept in `rejections` (each with its
@@ -355,7 +367,7 @@ class RingReader:
             self._store_read_cursor(w)
             return []
         self.check()
-        out: list[RingRecord | DataBatch] = []
+        out: list[Record] = []
         start = r
         w_full = w
         w -= (w - r) % rf.ALIGN  # a writer's cursor is always aligned: read up to where it could be
@@ -390,18 +402,16 @@ class RingReader:
                 h = ring_schema.parse_header(win, o)
                 after_large = self._last_large = h.kind == rf.RecordKind.DATA and total >= _DIRECT
                 if after_large:
-                    out.extend(self._read_direct(at, h, win[o:win_hi - win_lo]))
+                    out.extend(self._read_data(at, h, win[o:win_hi - win_lo]))
                 elif r + total <= win_hi:
                     out.extend(ring_schema.decode_record(win[o : o + total], ring=self.name, epoch=self.epoch,
-                                                         table_cache=self._table_cache, sink=self.sink,
-                                                         batch_alloc=self.batch_alloc))
+                                                         table_cache=self._table_cache, destination=self.destination))
                 else:  # larger than what is left of the window: read it whole
                     win = self._scratch_of(total)
                     self._pread_into(win, rf.HEADER_SIZE + at)
                     win_lo, win_hi = r, r + total
                     out.extend(ring_schema.decode_record(win, ring=self.name, epoch=self.epoch,
-                                                         table_cache=self._table_cache, sink=self.sink,
-                                                         batch_alloc=self.batch_alloc))
+                                                         table_cache=self._table_cache, destination=self.destination))
             except ring_schema.Rejected as e:
                 self._reject(r, e, len(out))
             r += total
@@ -413,56 +423,54 @@ class RingReader:
         self._store_read_cursor(r)
         return out
 
-    def _read_direct(self, at: int, h: "ring_schema.Header", have: np.ndarray) -> list[RingRecord]:
-        """A large DATA record: its header, table and row arrays from `have` (what was read of it)
-        or a read of their own, each section's payload straight into one array per request (one
-        copy, not two)."""
-        prefix_len = ring_schema.data_layout(h)[4]
+    def _layout(self, at: int, h: "ring_schema.Header", have: np.ndarray) -> "ring_schema.DataLayout | None":
+        """A large DATA record's layout, from `have` (what was read of it) or a read of its prefix."""
+        prefix_len = ring_schema.body_offsets(h)[4]
         if len(have) >= prefix_len:
             prefix = have[:prefix_len]
         else:
             prefix = np.empty(prefix_len, np.uint8)
             self._pread_into(prefix, rf.HEADER_SIZE + at)
-        plans = ring_schema.plan_data(prefix, h, ring=self.name, epoch=self.epoch, table_cache=self._table_cache)
-        if self.batch_alloc is not None and ring_schema.batchable(plans):
-            return [self._read_batch(at, plans)]
-        out: list[RingRecord] = []
-        for plan in plans:
-            out.extend(self._read_plan(at, plan))
-        return out
+        return ring_schema.data_layout(prefix, h, ring=self.name, epoch=self.epoch, table_cache=self._table_cache)
 
-    def _read_batch(self, at: int, plans: list["ring_schema.DataPlan"]) -> "DataBatch":
-        """Every section's payload with one read, straight into one buffer."""
-        lo, hi = ring_schema.payload_span(plans)
-        off = rf.HEADER_SIZE + at + lo
-        ahead = self._take_ahead(self._at_cursor, hi - lo)
+    def _read_data(self, at: int, h: "ring_schema.Header", have: np.ndarray) -> list[Record]:
+        """A large DATA record: its layout from `have` (what was read of it) or a read of its own,
+        its payload straight into where it lands (one copy, not two): by the copier (or taken from
+        read_ahead), else by preadv."""
+        layout = self._layout(at, h, have)
+        if layout is None:
+            return []
+        ahead = self._take_ahead(self._at_cursor)
         if ahead is not None:
-            return ring_schema.data_batch(plans, ahead)
-        buf = self.batch_alloc(hi - lo) if self.batch_alloc is not None else None
+            return [ahead.done()]
+        landing = land(layout, self.destination)
+        base = rf.HEADER_SIZE + at
         try:
-            if buf is None:
-                buf = np.empty(hi - lo, np.uint8)
-            if self.copier is None or not self.copier.copy(self, off, buf):
-                self._pread_split(buf, off)
+            if landing.block is not None:
+                off = base + landing.lo
+                if self.copier is None or not self.copier.copy(self, off, landing.block):
+                    self._pread_split(landing.block, off)
+            else:
+                self._preadv([memoryview(p) for _, p in landing.pieces], base + landing.lo, landing.hi - landing.lo)
         except OSError as e:
-            if e.errno != errno.EFAULT:
+            if e.errno != errno.EFAULT or not landing.placed:
                 raise
-            # The buffer's memory could not take the read (the daemon's arena, its tmpfs full under
-            # it): the reader's problem, not the ring's. Read it into private memory.
-            self.sink_failures += 1
-            self._say("ring %s: the record at offset %d could not be read into its delivery buffer (%s); "
+            # The destination's memory could not take the read (the daemon's arena, its tmpfs full
+            # under it): the reader's problem, not the ring's. Read it into private memory.
+            self.destination_failures += 1
+            self._say("ring %s: the record at offset %d could not be read into its delivery memory (%s); "
                       "read into private memory instead", self.path, at, e.strerror)
-            buf = np.empty(hi - lo, np.uint8)
-            self._pread_into(buf, off)
-        return ring_schema.data_batch(plans, buf)
+            landing = land(layout)
+            self._preadv([memoryview(p) for _, p in landing.pieces], base + landing.lo, landing.hi - landing.lo)
+        return [landing.done()]
 
     def read_ahead(self) -> None:
         """After a poll that ended on a large DATA record, with a copier: start copying the next
-        committed record's payload (if it is a large one that goes whole into a batch buffer), so
-        the copy runs while the caller handles what poll returned. The record is not consumed: the
-        next poll takes the buffer once the copy has landed. Never raises; whatever stands in the
-        way (nothing committed, a PAD, a record that does not fit the schema) is left to poll."""
-        if self.copier is None or self.batch_alloc is None or self._ahead is not None or not self._last_large:
+        committed record's payload (if it is a large one of whole tensors, one block), so the copy
+        runs while the caller handles what poll returned. The record is not consumed: the next poll
+        takes the block once the copy has landed. Never raises; whatever stands in the way (nothing
+        committed, a PAD, a record that does not fit the schema) is left to poll."""
+        if self.copier is None or self.destination is None or self._ahead is not None or not self._last_large:
             return
         try:
             r, w, cap = self._r, self.write_cursor(), self.capacity
@@ -476,77 +484,32 @@ class RingReader:
             if magic != rf.RECORD_MAGIC or total < _DIRECT or total % rf.ALIGN or total > min(w - r, cap - at):
                 return
             h = ring_schema.parse_header(head, 0)
-            if h.kind != rf.RecordKind.DATA:
+            if h.kind != rf.RecordKind.DATA or ring_schema.body_offsets(h)[4] > total:
                 return
-            prefix_len = ring_schema.data_layout(h)[4]
-            if prefix_len > n:
-                if prefix_len > total:
-                    return
-                head = np.empty(prefix_len, np.uint8)
-                self._pread_into(head, rf.HEADER_SIZE + at)
-            plans = ring_schema.plan_data(head[:prefix_len], h, ring=self.name, epoch=self.epoch,
-                                          table_cache=self._table_cache)
-            if not ring_schema.batchable(plans):
+            layout = self._layout(at, h, head)
+            if layout is None or not layout.all_whole:
                 return
-            lo, hi = ring_schema.payload_span(plans)
-            buf = self.batch_alloc(hi - lo)
-            if buf is None:
+            landing = land(layout, self.destination)
+            if not landing.placed:
                 return
-            off = rf.HEADER_SIZE + at + lo
-            token = self.copier.start(self, off, buf)
+            token = self.copier.start(self, rf.HEADER_SIZE + at + landing.lo, landing.block)
             if token is not None:
-                self._ahead = (r, hi - lo, buf, token)
+                self._ahead = (r, landing, token)
                 self.read_aheads += 1
         except (ring_schema.Rejected, RingBroken, OSError, ValueError):
             return
 
-    def _take_ahead(self, cursor: int, nbytes: int) -> np.ndarray | None:
-        """The buffer read_ahead filled, if it is the payload of the record at `cursor`; a copy for
-        anything else is waited for (its buffer may be freed only once nothing writes into it) and
-        dropped."""
+    def _take_ahead(self, cursor: int) -> Landing | None:
+        """What read_ahead filled, if it is the record at `cursor`; a copy for anything else is
+        waited for (its block may be freed only once nothing writes into it) and dropped."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
-        landed = self.copier.finish(ahead[3])
-        if landed and ahead[0] == cursor and ahead[1] == nbytes:
+        landed = self.copier.finish(ahead[2]) if self.copier is not None else False
+        if landed and ahead[0] == cursor:
             self.read_aheads_taken += 1
-            return ahead[2]
+            return ahead[1]
         return None
-
-    def _read_plan(self, at: int, plan: "ring_schema.DataPlan") -> list[RingRecord]:
-        h = plan.h
-        off = rf.HEADER_SIZE + at + plan.payload_offset
-        if plan.contiguous:
-            # Each request's rows straight into their final place: a private array, or the sink's
-            # (an arena region, or this rank's columns of one when tensor parallelism slices it).
-            parts = []
-            iov: list[memoryview] = []
-            sink = self.sink
-            for i, shape in enumerate(plan.part_shapes()):
-                p = sink(plan, i) if sink is not None else None
-                if p is None:
-                    p = np.empty(shape, plan.dtype)
-                parts.append(p)
-                if p.flags.c_contiguous:
-                    iov.append(memoryview(p).cast("B"))
-                else:  # a column slice: one piece per row
-                    iov.extend(memoryview(row).cast("B") for row in p)
-            try:
-                self._preadv(iov, off, plan.payload_nbytes)
-            except OSError as e:
-                if e.errno != errno.EFAULT or sink is None:
-                    raise
-                # The sink's memory could not take the read (the daemon's arena, its tmpfs full
-                # under it): the reader's problem, not the ring's. Read it into private arrays.
-                self.sink_failures += 1
-                self._say("ring %s: the record at offset %d could not be read into its delivery arrays (%s); "
-                          "read into private memory instead", self.path, at, e.strerror)
-                parts = [np.empty(shape, plan.dtype) for shape in plan.part_shapes()]
-                self._preadv([memoryview(p).cast("B") for p in parts], off, plan.payload_nbytes)
-            return plan.records(parts=parts)
-        payload = np.empty(plan.payload_nbytes, np.uint8)
-        self._pread_into(payload, off)
-        return plan.records(payload=payload.view(plan.dtype).reshape(h.n_rows, plan.width), sink=self.sink)
 
     def _reject(self, r: int, e: "ring_schema.Rejected", index: int) -> None:
         self.rejected += 1
@@ -575,7 +538,7 @@ class RingReader:
 
     def close(self) -> None:
         if self.copier is not None:
-            self._take_ahead(-1, 0)
+            self._take_ahead(-1)
             self.copier.forget(self)
         if self._fd >= 0:
             os.close(self._fd)

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 import numpy as np
 
 from vllm_tap import ring_format as rf
-from vllm_tap.ring_records import DataBatch, RingRecord, TensorId
+from vllm_tap.ring_payload import DataLayout, Destination, SectionLayout, land
+from vllm_tap.ring_records import ControlRecord, Record, Section, TensorId
 from vllm_tap.spec import CaptureSpec
 
 # -- bounds (a legitimate writer stays far inside every one of them) --
@@ -217,30 +218,14 @@ def parse_header(buf: memoryview | bytes | np.ndarray, at: int = 0) -> Header:
                   payload_off, n_sections)
 
 
-_TENSOR_IDS: dict[tuple[int, int], TensorId] = {}
-
-
-def _tensor_id(kind: int, layer: int) -> TensorId:
-    key = (kind, layer if kind in rf.NUMBERED_KINDS else -1)
-    tid = _TENSOR_IDS.get(key)
-    if tid is None:
-        tid = _TENSOR_IDS[key] = TensorId(rf.TensorKind(kind), key[1])
-    return tid
-
-
-tensor_id = _tensor_id  # the TensorId of a header's (tensor, layer)
-
-
 # -- records --
 
 
 def decode_record(rec: memoryview | bytes | np.ndarray, *, ring: str = "", epoch: int = 0,
-                  table_cache: "TableCache | None" = None, sink: "Sink | None" = None,
-                  batch_alloc: "BatchAlloc | None" = None) -> "list[RingRecord | DataBatch]":
-    """One whole record (its total_len bytes) -> one RingRecord per control record, or one per
-    request with rows in a DATA record (arrays are private copies, in `sink`'s arrays where it
-    gives one); with `batch_alloc`, a DATA record of whole tensors is one DataBatch (its payloads
-    copied once into the buffer batch_alloc gives). Raises Rejected."""
+                  table_cache: "TableCache | None" = None, destination: Destination | None = None) -> list[Record]:
+    """One whole record (its total_len bytes) -> a ControlRecord, or a DataRecord (none for a DATA
+    record without rows), its payload copied where `destination` says (vllm_tap.ring_payload). Raises
+    Rejected."""
     mv = memoryview(rec).cast("B") if not isinstance(rec, np.ndarray) else memoryview(rec)
     total = len(mv)
     if total < rf.RECORD_HEADER_SIZE:
@@ -249,7 +234,12 @@ def decode_record(rec: memoryview | bytes | np.ndarray, *, ring: str = "", epoch
     if h.total != total:
         raise Rejected(f"record length {h.total} does not match the {total} bytes given")
     if h.kind == rf.RecordKind.DATA:
-        return _decode_data(mv, h, ring, epoch, table_cache, sink, batch_alloc)
+        layout = data_layout(mv, h, ring=ring, epoch=epoch, table_cache=table_cache)
+        if layout is None:
+            return []
+        landing = land(layout, destination)
+        landing.fill_from(np.frombuffer(mv, np.uint8))
+        return [landing.done()]
     if h.kind in _CONTROL_KINDS:
         return [_decode_control(mv, h, ring, epoch)]
     raise Rejected(f"unknown record kind {h.kind}")
@@ -290,7 +280,7 @@ def _spec(raw: msgspec.Raw, rid: str) -> "CaptureSpec | None":
     return spec
 
 
-def _decode_control(mv: memoryview, h: Header, ring: str, epoch: int) -> RingRecord:
+def _decode_control(mv: memoryview, h: Header, ring: str, epoch: int) -> ControlRecord:
     kind = rf.RecordKind(h.kind)
     if h.meta_len > MAX_CONTROL_META_BYTES:
         raise Rejected(f"{kind.name} meta of {h.meta_len} bytes")
@@ -314,13 +304,10 @@ def _decode_control(mv: memoryview, h: Header, ring: str, epoch: int) -> RingRec
         source = spec.source if spec is not None else None
         if info.source:
             source = info.source
-    meta = msgspec.structs.asdict(info)
-    if "spec" in meta:
-        meta["spec"] = spec.to_meta() if spec is not None else None
     num_prompt = info.num_prompt_tokens if isinstance(info, (BeginMeta, EndMeta, ShedMeta)) else 0
-    return RingRecord(kind=kind, request_id=rid, tap_key=tap_key, step=h.step, rank=h.rank, meta=meta,
-                      num_prompt_tokens=num_prompt, source=source or "client", ring=ring, epoch=epoch,
-                      control=info, spec=spec)
+    return ControlRecord(kind=kind, request_id=rid, tap_key=tap_key, step=h.step, rank=h.rank,
+                         num_prompt_tokens=num_prompt, source=source or "client", ring=ring, epoch=epoch, control=info,
+                         spec=spec)
 
 
 class TableCache:
@@ -390,85 +377,6 @@ def _table(mv: memoryview, meta_off: int, h: Header, cache: TableCache | None) -
     return entries
 
 
-# Where a DATA record's rows of one request go (the daemon's delivery arena, placed by reassembly):
-# sink(plan, i) -> an array of plan.part_shapes()[i] (C-contiguous rows, possibly a column slice of
-# a wider array) to fill, or None for a private one.
-Sink = Callable[["DataPlan", int], "np.ndarray | None"]
-
-
-@dataclass
-class DataPlan:
-    """A DATA record whose header, request table and row arrays were checked: what is left is to
-    put its payload into arrays, from a buffer or straight from the file (`parts`)."""
-
-    h: Header
-    entries: list[RequestEntry]
-    positions: np.ndarray
-    token_ids: np.ndarray
-    groups: list[tuple[int, Any]]  # (table slot, rows: None = all, a slice, or an index array)
-    dtype: np.dtype
-    width: int
-    payload_offset: int
-    ring: str
-    epoch: int
-
-    @property
-    def payload_nbytes(self) -> int:
-        return self.h.n_rows * self.width * self.dtype.itemsize
-
-    @property
-    def contiguous(self) -> bool:
-        """Each request's rows lie together and in table order: the payload can be read straight
-        into one array per request."""
-        return all(rows is None or isinstance(rows, slice) for _, rows in self.groups)
-
-    def part_shapes(self) -> list[tuple[int, int]]:
-        n = self.h.n_rows
-        return [(n if rows is None else rows.stop - rows.start, self.width) for _, rows in self.groups]
-
-    def request_id(self, i: int) -> str:
-        return self.entries[self.groups[i][0]].request_id
-
-    def part_rows(self, i: int) -> int:
-        """Rows of group i, whatever form its rows take (all, a slice, or an index array)."""
-        rows = self.groups[i][1]
-        if rows is None:
-            return self.h.n_rows
-        return rows.stop - rows.start if isinstance(rows, slice) else len(rows)
-
-    def records(self, payload: np.ndarray | None = None, parts: list[np.ndarray] | None = None,
-                sink: Sink | None = None) -> list[RingRecord]:
-        """payload: all rows [n, width] (copied out per request, into `sink`'s array where it gives
-        one); parts: one array per group, owned."""
-        h = self.h
-        tid = _tensor_id(h.tensor, h.layer)
-        out = []
-        for i, (slot, rows) in enumerate(self.groups):
-            e = self.entries[slot]
-            if rows is None:
-                take = lambda a: a.copy()  # noqa: E731
-            elif isinstance(rows, slice):
-                take = lambda a, rows=rows: a[rows].copy()  # noqa: E731
-            else:
-                take = lambda a, rows=rows: a[rows]  # noqa: E731 (fancy indexing copies)
-            data = parts[i] if parts is not None else None
-            if data is None and sink is not None:
-                data = sink(self, i)
-                if data is not None:
-                    data[...] = payload if rows is None else payload[rows]  # type: ignore[index]
-            if data is None:
-                data = take(payload)
-            out.append(RingRecord(
-                kind=_DATA, request_id=e.request_id, tap_key=e.tap_key, step=h.step, rank=h.rank,
-                expected_ranks=e.expected_ranks, rank_parts=e.rank_parts, tensor=tid, dtype=h.dtype,
-                slice_start=h.slice_start, slice_stop=h.slice_stop, full_dim=h.full_dim,
-                num_prompt_tokens=e.num_prompt_tokens, start=e.start, tail=e.tail, source=e.source,
-                positions=take(self.positions), token_ids=take(self.token_ids),
-                data=data, ring=self.ring, epoch=self.epoch,
-            ))
-        return out
-
-
 def _check_tensor(tensor: int, dtype: int, layer: int, s0: int, s1: int, full_dim: int) -> None:
     if tensor not in _TENSOR_KINDS:
         raise Rejected(f"unknown tensor kind {tensor}")
@@ -485,7 +393,7 @@ def _check_tensor(tensor: int, dtype: int, layer: int, s0: int, s1: int, full_di
             raise Rejected(f"{rf.TENSOR_NAMES[rf.TensorKind(tensor)]} of dtype code {dtype}")
 
 
-def data_layout(h: Header) -> tuple[int, int, int, int, int]:
+def body_offsets(h: Header) -> tuple[int, int, int, int, int]:
     """Check a DATA header against itself and its record length; the body offsets (ring_format.body_layout)."""
     n = h.n_rows
     _check_tensor(h.tensor, h.dtype, h.layer, h.slice_start, h.slice_stop, h.full_dim)
@@ -535,13 +443,13 @@ def sections(mv: memoryview, h: Header, layout: tuple[int, int, int, int, int]) 
                        payload_offset=e[7]) for e in entries]
 
 
-def plan_data(prefix: memoryview | bytes | np.ndarray, h: Header, *, ring: str = "", epoch: int = 0,
-              table_cache: TableCache | None = None) -> list[DataPlan]:
+def data_layout(prefix: memoryview | bytes | np.ndarray, h: Header, *, ring: str = "", epoch: int = 0,
+                table_cache: TableCache | None = None) -> DataLayout | None:
     """Check what precedes the payloads of a DATA record (`prefix`: at least its first
-    payload_offset bytes): one plan per section to read (none for a record without rows).
-    Raises Rejected."""
+    payload_offset bytes): where its sections' payloads lie and whose its rows are (None for a record
+    without rows). Raises Rejected."""
     mv = memoryview(prefix).cast("B") if not isinstance(prefix, np.ndarray) else memoryview(prefix)
-    layout = data_layout(h)
+    layout = body_offsets(h)
     meta_off, slots_off, pos_off, ids_off, payload_off = layout
     if len(mv) < ids_off + 4 * h.n_rows:
         raise Rejected("record shorter than its header says")
@@ -549,7 +457,7 @@ def plan_data(prefix: memoryview | bytes | np.ndarray, h: Header, *, ring: str =
     entries = _table(mv, meta_off, h, table_cache)
     heads = sections(mv, h, layout)
     if n == 0:
-        return []
+        return None
     base = np.frombuffer(mv, np.uint8)
     slots = base[slots_off:pos_off].view("<i4")
     positions = base[pos_off : pos_off + 4 * n].view("<i4")
@@ -578,37 +486,12 @@ def plan_data(prefix: memoryview | bytes | np.ndarray, h: Header, *, ring: str =
         else:
             groups = [(int(sorted_slots[a]), slice(a, b) if order is None else order[a:b])
                       for a, b in zip([0, *bounds], [*bounds, n])]
-    return [DataPlan(sh, entries, positions, token_ids, groups, rf.storage_dtype(sh.dtype),
-                     sh.slice_stop - sh.slice_start, sh.payload_offset, ring, epoch)
-            for sh in heads]
-
-
-# Where a batched DATA record's payloads go (the daemon's delivery arena): alloc(nbytes) -> a
-# uint8 array of that many bytes, or None for a private one.
-BatchAlloc = Callable[[int], "np.ndarray | None"]
-
-
-def batchable(plans: list[DataPlan]) -> bool:
-    """Every section of the record is a whole tensor: it can be read as one DataBatch."""
-    return bool(plans) and all(p.h.slice_start == 0 and p.h.slice_stop == p.h.full_dim for p in plans)
-
-
-def payload_span(plans: list[DataPlan]) -> tuple[int, int]:
-    """[first, end) of the record's payload bytes, every section's (they lie in order, aligned)."""
-    last = plans[-1]
-    return plans[0].payload_offset, last.payload_offset + last.payload_nbytes
-
-
-def data_batch(plans: list[DataPlan], buf: np.ndarray) -> DataBatch:
-    """The record as one DataBatch, its sections views of `buf` (the payload_span bytes, owned)."""
-    p0 = plans[0]
-    h = p0.h
-    first = p0.payload_offset
-    sections = [(_tensor_id(p.h.tensor, p.h.layer), p.h.dtype,
-                 buf[p.payload_offset - first : p.payload_offset - first + p.payload_nbytes]
-                 .view(p.dtype).reshape(h.n_rows, p.width)) for p in plans]
-    return DataBatch(h.step, h.rank, p0.ring, p0.epoch, p0.entries, p0.positions.copy(), p0.token_ids.copy(),
-                     p0.groups, sections)
+    secs = []
+    for sh in heads:
+        dt = rf.storage_dtype(sh.dtype)
+        sec = Section(TensorId.of(sh.tensor, sh.layer), sh.dtype, sh.slice_start, sh.slice_stop, sh.full_dim)
+        secs.append(SectionLayout(sec, dt, sh.payload_offset, n * sec.width * dt.itemsize))
+    return DataLayout(h.step, h.rank, n, entries, positions, token_ids, groups, secs, ring, epoch)
 
 
 _ONE_ROW_EACH: dict[int, list[tuple[int, Any]]] = {}
@@ -623,30 +506,11 @@ def one_row_each(n: int) -> list[tuple[int, Any]]:
     return g
 
 
-def _decode_data(mv: memoryview, h: Header, ring: str, epoch: int, cache: TableCache | None,
-                 sink: Sink | None = None, batch_alloc: BatchAlloc | None = None) -> list[RingRecord | DataBatch]:
-    base = np.frombuffer(mv, np.uint8)
-    out: list[RingRecord | DataBatch] = []
-    plans = plan_data(mv, h, ring=ring, epoch=epoch, table_cache=cache)
-    if batch_alloc is not None and batchable(plans):
-        lo, hi = payload_span(plans)
-        buf = batch_alloc(hi - lo)
-        if buf is None:
-            buf = np.empty(hi - lo, np.uint8)
-        buf[:] = base[lo:hi]
-        return [data_batch(plans, buf)]
-    for plan in plans:
-        off = plan.payload_offset
-        payload = base[off : off + plan.payload_nbytes].view(plan.dtype).reshape(h.n_rows, plan.width)
-        out.extend(plan.records(payload=payload, sink=sink))
-    return out
-
-
 # -- building records in memory (tests, tools): the same decoder, so the same checks --
 
 
 def control_record(kind: rf.RecordKind, request_id: str, meta: Any, *, tap_key: str = "", rank: int = rf.ENGINE_RANK,
-                   ring: str = "engine" + rf.RING_SUFFIX, epoch: int = 0, step: int = 0) -> RingRecord:
+                   ring: str = "engine" + rf.RING_SUFFIX, epoch: int = 0, step: int = 0) -> ControlRecord:
     """A control record as the reader would return it for this meta (Rejected if it would reject it)."""
     import msgpack
 
@@ -661,5 +525,6 @@ def control_record(kind: rf.RecordKind, request_id: str, meta: Any, *, tap_key: 
     buf[rf.RECORD_HEADER_SIZE : rf.RECORD_HEADER_SIZE + len(key)] = key
     buf[rf.RECORD_HEADER_SIZE + len(key) : rf.RECORD_HEADER_SIZE + len(key) + len(mb)] = mb
     (rec,) = decode_record(bytes(buf), ring=ring, epoch=epoch)
+    assert isinstance(rec, ControlRecord)
     return rec
 

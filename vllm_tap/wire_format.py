@@ -272,21 +272,6 @@ def read_tensors(descs: Iterable[Sequence], frames: Sequence[Any]) -> dict[str, 
     return out
 
 
-def ranges_of(positions: Iterable[int]) -> list[list[int]]:
-    """Sorted positions as [start, stop) runs: missing-position lists stay small on the wire."""
-    out: list[list[int]] = []
-    for p in sorted(set(positions)):
-        if out and out[-1][1] == p:
-            out[-1][1] = p + 1
-        else:
-            out.append([p, p + 1])
-    return out
-
-
-def expand_ranges(ranges: Iterable[Sequence[int]]) -> list[int]:
-    return [p for a, b in ranges for p in range(a, b)]
-
-
 # -- watch: every capture, in sequence order, resumable (daemon/watch.py keeps the rules) --
 
 # Why captures first..last of a `lost` message will not come (its "reason"; "detail" says more).

@@ -10,6 +10,6 @@ Everything here is on the client side of the layers: the core (vllm_tap.dataset_
 subscribing client, never torch or vLLM (torch only when a reader is asked for tensors).
 """
 
-from vllm_tap.client.datasets.reader import DatasetError, TapDataset, activation_batches, open_dataset
+from .reader import DatasetError, TapDataset, activation_batches, open_dataset
 
 __all__ = ["DatasetError", "TapDataset", "activation_batches", "open_dataset"]

@@ -32,8 +32,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from vllm_tap import dataset_format as df
-from vllm_tap.client.datasets.store import DatasetStore
-from vllm_tap.client.datasets.reader import DatasetError, TapDataset, open_dataset
+
+from .reader import DatasetError, TapDataset, open_dataset
+from .store import DatasetStore
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Reading datasets written by `vllm-tap record`: numpy and pyarrow only (torch when asked for).
 
-    from vllm_tap.client.datasets import open_dataset, activation_batches
+    from . import open_dataset, activation_batches
     ds = open_dataset("s3://bucket/run1")          # every writer's manifest; only committed shards
     ds.to_pyarrow().to_table(columns=["seq", "position", "blocks.7.hook_resid_post"])
     ds.to_hf()                                      # a datasets.Dataset (Arrow, memory-mapped)
@@ -22,7 +22,8 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 
 from vllm_tap import dataset_format as df
-from vllm_tap.client.datasets.store import DatasetStore, StoreError
+
+from .store import DatasetStore, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +285,7 @@ class ActivationBatches:
                     yield col.values.to_numpy(zero_copy_only=False).reshape(len(col), self.dim)
 
     def _rows_live(self) -> Iterator[np.ndarray]:
-        from vllm_tap.client import Client
+        from .. import Client
 
         client = self.source if not isinstance(self.source, str) else Client(self.source)
         layer = self.layer if isinstance(self.layer, int) else df.layer_of(self.layer)

@@ -32,8 +32,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vllm_tap import dataset_format as df
-from vllm_tap.client.datasets.store import DatasetStore, StoreError, describe_error, failpoint
-from vllm_tap.client.datasets.recorder_core import MAX_LANES, AppendRows, RecorderCore, SealShard, WriteManifest
+
+from .recorder_core import MAX_LANES, AppendRows, RecorderCore, SealShard, WriteManifest
+from .store import DatasetStore, StoreError, describe_error, failpoint
 
 log = logging.getLogger(__name__)
 

@@ -43,8 +43,9 @@ import numpy as np
 import pyarrow as pa
 
 from vllm_tap import dataset_format as df
-from vllm_tap.client.records import Capture, CaptureBegin, Latents
 from vllm_tap.positions import PositionRanges
+
+from ..records import Capture, CaptureBegin, Latents
 
 log = logging.getLogger(__name__)
 

@@ -78,14 +78,6 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def sha256_file(path: str, bufsize: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(bufsize):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 class DatasetStore:
     """A dataset root (DEST) and one writer's corner of it."""
 

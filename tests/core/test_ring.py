@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from vllm_tap import ring_format as rf
-from vllm_tap.ring_records import RequestRef, RequestTable, TensorId
+from vllm_tap.ring_records import RequestRef, RequestTable, TensorId, per_tensor
 from vllm_tap.ring_files import RingFormatError, ring_path
 from vllm_tap.ring_reader import RingReader, read_info
 from vllm_tap.ring_writer import RingWriter
@@ -42,7 +42,7 @@ def test_roundtrip_fields_and_bytes(shm_dir):
     assert ok
     bf = np.array([[0x3F80, 0xC000]], np.uint16)  # bf16 1.0, -2.0 travel as raw uint16
     assert w.write("r1", LOGITS, [7], [1], bf, dtype=rf.DType.BFLOAT16)
-    b, d, e = r.poll()
+    b, d, e = per_tensor(r.poll())
     assert b.kind == rf.RecordKind.BEGIN and b.meta["spec"] == spec and b.spec == CaptureSpec(key="k") and b.tap_key == "k" and b.rank == 2
     assert d.kind == rf.RecordKind.DATA and d.request_id == "r1" and d.tap_key == "k" and d.tensor == HID3
     assert (d.step, d.slice_start, d.slice_stop, d.full_dim, d.num_prompt_tokens, d.expected_ranks, d.rank_parts) == (
@@ -74,7 +74,7 @@ def test_one_record_carries_many_requests_and_reads_back_as_one_record_each(shm_
     data = np.arange(8, dtype=np.float32).reshape(4, 2)
     res.payload[:] = data.view(np.uint8).reshape(-1)
     w.commit(res)
-    a, b = r.poll()
+    a, b = per_tensor(r.poll())
     assert (a.request_id, a.tap_key, a.num_prompt_tokens, a.expected_ranks, a.rank_parts) == ("a", "ka", 5, 1, 3)
     assert (a.start, a.tail, a.source, b.start, b.tail, b.source) == (3, 0, "policy", -1, 1, "client")
     assert list(a.positions) == [3, 4, 5] and list(a.token_ids) == [30, 40, 50]
@@ -104,7 +104,7 @@ def test_a_record_naming_a_request_outside_its_table_is_skipped_alone(shm_dir):
     for slots in ([0, 5], [0, 0]):  # the first names slot 5 of a one-entry table
         res = w.reserve_rows(table, _rows(slots, [1, 2], [0, 0]), LOGITS, dtype=rf.DType.FLOAT32, width=1)
         w.commit(res)
-    (good,) = r.poll()
+    (good,) = per_tensor(r.poll())
     assert list(good.positions) == [1, 2] and r.rejected == 1 and r.corrupt == 0
     (why,) = r.rejections
     assert why.offset == 0 and "outside the table" in why.why and why.request_ids == ("a",)
@@ -122,8 +122,8 @@ def test_wraparound_keeps_every_byte(shm_dir):
         assert ok
         sent.append(data.tobytes())
         if k % 3 == 2:
-            got += [x.data.tobytes() for x in r.poll()]
-    got += [x.data.tobytes() for x in r.poll()]
+            got += [x.data.tobytes() for x in per_tensor(r.poll())]
+    got += [x.data.tobytes() for x in per_tensor(r.poll())]
     assert got == sent
     assert r.corrupt == 0
 
@@ -137,7 +137,7 @@ def test_read_cursor_persists_across_reader_restarts(shm_dir):
     first = [int(x.positions[0]) for x in r1.poll(max_records=4)]
     r1.close()  # the daemon dies here; the cursor is in the file
     r2 = RingReader(path)
-    rest = [int(x.positions[0]) for x in r2.poll()]
+    rest = [int(x.positions[0]) for x in per_tensor(r2.poll())]
     assert first == [0, 1, 2, 3] and rest == list(range(4, 10))
 
 
@@ -150,9 +150,9 @@ def test_a_restarted_writer_is_a_new_epoch_and_the_old_mapping_still_drains(shm_
     w2 = RingWriter(path, 1 << 16)  # the engine restarted
     _write(w2, "new", [0], 4)
     assert r.replaced() and w2.epoch != w1.epoch
-    assert [x.request_id for x in r.poll()] == ["old"]
+    assert [x.request_id for x in per_tensor(r.poll())] == ["old"]
     r2 = RingReader(path)
-    assert r2.epoch == w2.epoch and [x.request_id for x in r2.poll()] == ["new"]
+    assert r2.epoch == w2.epoch and [x.request_id for x in per_tensor(r2.poll())] == ["new"]
 
 
 def test_reader_refuses_what_is_not_a_ring_of_this_version(shm_dir):
@@ -205,7 +205,7 @@ def test_overflow_drops_are_counted_reported_and_do_not_slow_the_writer(shm_dir)
     reported: set[int] = set()
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        for x in r.poll():
+        for x in per_tensor(r.poll()):
             if x.kind == rf.RecordKind.DROP:
                 assert x.request_id == "req" and x.meta["tensor"] == rf.TensorKind.LOGITS
                 reported.update(x.meta["positions"])
@@ -233,12 +233,12 @@ def test_a_data_record_never_overtakes_a_drop_still_queued(shm_dir):
     order = []
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        order += [(x.kind, x.request_id) for x in r.poll() if x.request_id == "req"]
+        order += [(x.kind, x.request_id) for x in per_tensor(r.poll()) if x.request_id == "req"]
         if w.flush() and not r.pending_bytes():
             break
     assert order == [(rf.RecordKind.DROP, "req"), (rf.RecordKind.DROP, "req")]
     assert w.write("req", LOGITS, [2001], [0], small)  # room again: written
-    assert [(x.kind, x.positions.tolist()) for x in r.poll()] == [(rf.RecordKind.DATA, [2001])]
+    assert [(x.kind, x.positions.tolist()) for x in per_tensor(r.poll())] == [(rf.RecordKind.DATA, [2001])]
 
 
 def _slow_reader(path: str, n: int, q) -> None:
@@ -246,7 +246,7 @@ def _slow_reader(path: str, n: int, q) -> None:
     got = []
     while len(got) < n:
         time.sleep(0.002)
-        got += [x.data.tobytes() for x in r.poll(max_records=2)]
+        got += [x.data.tobytes() for x in per_tensor(r.poll(max_records=2))]
     q.put(got)
 
 
@@ -293,4 +293,4 @@ def test_concurrent_publisher_thread_commits_in_reservation_order(shm_dir):
     t = threading.Thread(target=commit_backwards)
     t.start()
     t.join()
-    assert [int(x.data[0, 0]) for x in r.poll()] == [0, 1, 2, 3, 4]
+    assert [int(x.data[0, 0]) for x in per_tensor(r.poll())] == [0, 1, 2, 3, 4]

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from ring_forge import RingForge, control, data, entry, pack
 from vllm_tap import ring_format as rf
-from vllm_tap.ring_records import RingRecord
+from vllm_tap.ring_records import Record, per_tensor
 from vllm_tap.ring_reader import RingBroken, RingReader
 from vllm_tap.ring_schema import (
     MAX_POSITION, BeginMeta, DropMeta, EndMeta, LiveMeta, Rejected, decode_record,
@@ -57,9 +57,9 @@ def _with_header(rec: bytes, **fields) -> bytes:
     return bytes(buf)
 
 
-def _check(recs: list[RingRecord]) -> None:
+def _check(recs: list[Record]) -> None:
     """What a decoded record promises its readers."""
-    for r in recs:
+    for r in per_tensor(recs):
         assert isinstance(r.request_id, str) and isinstance(r.tap_key, str)
         if r.kind == rf.RecordKind.DATA:
             n = len(r.positions)
@@ -75,16 +75,16 @@ def _check(recs: list[RingRecord]) -> None:
 
 
 def test_a_good_data_record_decodes_with_its_table():
-    (r,) = decode_record(_good_data())
+    (r,) = per_tensor(decode_record(_good_data()))
     assert r.request_id == "r" and r.num_prompt_tokens == 2 and r.start == 0 and r.tail == 0 and r.source == "client"
     assert r.positions.tolist() == [0, 1] and r.data.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_a_reducer_output_decodes_as_its_numbered_tensor():
-    (r,) = decode_record(_good_data(tensor=int(rf.TensorKind.PROBE), layer=3))
+    (r,) = per_tensor(decode_record(_good_data(tensor=int(rf.TensorKind.PROBE), layer=3)))
     assert r.tensor.name == "probe.3" and r.data.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    (i,) = decode_record(_good_data(tensor=int(rf.TensorKind.LATENT_IDS), layer=0, dtype=int(rf.DType.INT32),
-                                    payload=np.array([[3, -1], [4, 5]], np.int32)))
+    (i,) = per_tensor(decode_record(_good_data(tensor=int(rf.TensorKind.LATENT_IDS), layer=0, dtype=int(rf.DType.INT32),
+                                    payload=np.array([[3, -1], [4, 5]], np.int32))))
     assert i.tensor.name == "latent_ids.0" and i.data.tolist() == [[3, -1], [4, 5]]
 
 
@@ -242,7 +242,7 @@ def test_the_table_of_a_step_is_decoded_once_for_all_its_records(shm_dir):
                           tensor=int(rf.TensorKind.HIDDEN), layer=layer) for layer in range(4)])
     r = RingReader(f.path)
     recs = r.poll()
-    assert len(recs) == 12 and r._table_cache.entries[2].request_id == "r2"
+    assert len(recs) == 4 and len(per_tensor(recs)) == 12 and r._table_cache.entries[2].request_id == "r2"
     f.close()
 
 
@@ -251,7 +251,7 @@ def test_msgpack_of_the_writer_and_the_schema_agree():
     from vllm_tap.ring_records import RequestRef, RequestTable
 
     ref = RequestRef("req", "key", 7, 2, 3, start=6, tail=0, source="policy")
-    (r,) = decode_record(_good_data(table=RequestTable([ref]).blob, n_requests=1))
+    (r,) = per_tensor(decode_record(_good_data(table=RequestTable([ref]).blob, n_requests=1)))
     assert (r.request_id, r.tap_key, r.num_prompt_tokens, r.expected_ranks, r.rank_parts, r.start, r.tail, r.source) == (
         "req", "key", 7, 2, 3, 6, 0, "policy")
     assert msgpack.unpackb(pack([1])) == [1]

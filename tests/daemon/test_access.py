@@ -353,7 +353,7 @@ def test_rings_and_directories_looser_than_configured_are_refused_and_counted(wo
 
 
 def test_a_reader_maps_the_arena_read_only_and_nobody_else_can_find_it(world):
-    """Issue 17 under the shipped access model: the arena lives in a directory of the daemon's own
+    """The delivery arena under the shipped access model: it lives in a directory of the daemon's own
     (`<shm_dir>.arena`, 0750 in the readers' group), not in the ring directory readers cannot enter,
     so a reader gets descriptors and copies the arrays out of shared memory; writers and outsiders
     cannot open the file or even list its directory."""

@@ -1,6 +1,6 @@
 """Delivery through shared memory: the daemon's arena, descriptors to same-host
 subscribers, frames over tcp. Real daemon processes, real subscribers in other processes, the real
-arena file; the allocator and the reassembler's placement are also driven directly."""
+arena file; the allocator and the reassembler's destination are also driven directly."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ from vllm_tap import ring_format as rf
 from vllm_tap.client import Chunk, Client
 from vllm_tap.client.arena import OVERWRITTEN, ArenaError, ArenaView, wanted
 from vllm_tap.daemon.arena import Arena
-from vllm_tap.daemon.reassembly import Reassembler, Tokens
+from vllm_tap.daemon.events import Tokens
+from vllm_tap.daemon.destination import ArenaDestination
+from vllm_tap.daemon.reassembly import Reassembler
 from vllm_tap.ring_records import TensorId
 from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_writer import RingWriter
@@ -475,12 +477,13 @@ def test_a_region_is_mapped_into_the_daemon_before_it_is_handed_out(shm_dir):
 
 
 def test_tensor_parallel_slices_are_read_straight_into_one_array(shm_dir):
-    """The ring reader asks reassembly where each slice goes; the tensor delivered is that array."""
+    """The ring reader asks its destination where each slice goes; the tensor delivered is that array."""
     a = Arena.create(shm_dir, 8 << 20)
     inst = os.path.join(shm_dir, "i")
     os.makedirs(inst)
     logits = TensorId(rf.TensorKind.LOGITS)
     reasm = Reassembler("i", alloc=a.alloc, hold_newest=0)
+    destination = ArenaDestination(a)
     # Slices of 96 KiB: read by preadv straight into their columns (the large-record path).
     full = np.arange(3 * 16384, dtype=np.float32).reshape(3, 16384)
     events = []
@@ -489,11 +492,10 @@ def test_tensor_parallel_slices_are_read_straight_into_one_array(shm_dir):
         w = RingWriter(path, 1 << 20, rank=rank, world_size=2)
         assert w.write("r", logits, [0, 1, 2], [5, 6, 7], np.ascontiguousarray(full[:, lo:hi]), step=1,
                        slice_=(lo, hi), full_dim=16384, expected_ranks=2)
-        r = RingReader(path)
-        r.sink = lambda plan, i: reasm.target(plan.request_id(i), plan.h.step, logits, plan.h.slice_start,
-                                              plan.h.slice_stop, plan.h.full_dim, plan.part_rows(i), plan.dtype)
+        r = RingReader(path, destination=destination)
         (rec,) = r.poll()
-        assert a.locate(rec.data) is None and rec.data.base is not None  # a column view of the shared array
+        part = rec.sections[0].parts[0]
+        assert a.locate(part) is None and part.base is not None  # a column view of the shared array
         events += reasm.feed(rec, 1.0)
         r.close()
         w.close()
@@ -699,11 +701,10 @@ def capture_arrays_from_expected(sc: Scenario) -> dict[str, bytes]:
     return {k: np.ascontiguousarray(v).tobytes() for k, v in expected(sc, 0).items()}
 
 
-def test_rows_of_a_request_spread_over_a_record_go_through_the_sink(shm_dir):
+def test_rows_of_a_request_spread_over_a_record_go_into_the_arena(shm_dir):
     """A step's record whose rows of one request are not together (a prefill's extra rows before the
-    batch's sampled rows): each request's rows land in its own arena array, in order."""
+    batch's sampled rows): each request's rows come out in order, in the arena."""
     from vllm_tap.ring_records import RequestRef, RequestTable
-    from vllm_tap.ring_schema import tensor_id
 
     a = Arena.create(shm_dir, 8 << 20)
     os.makedirs(os.path.join(shm_dir, "i"))
@@ -716,10 +717,7 @@ def test_rows_of_a_request_spread_over_a_record_go_through_the_sink(shm_dir):
     data = np.arange(4 * 64, dtype=np.float32).reshape(4, 64)
     res.payload[:] = data.view(np.uint8).reshape(-1)
     w.commit(res)
-    r = RingReader(path)
-    r.sink = lambda plan, i: reasm.target(plan.request_id(i), plan.h.step, tensor_id(plan.h.tensor, plan.h.layer),
-                                          plan.h.slice_start, plan.h.slice_stop, plan.h.full_dim, plan.part_rows(i),
-                                          plan.dtype)
+    r = RingReader(path, destination=ArenaDestination(a))
     toks = {e.request_id: e for rec in r.poll() for e in reasm.feed(rec, 1.0) if isinstance(e, Tokens)}
     assert (toks["a"].tensors["logits"] == data[[0, 2]]).all() and (toks["b"].tensors["logits"] == data[[1, 3]]).all()
     assert all(a.locate(t.tensors["logits"]) is not None for t in toks.values())

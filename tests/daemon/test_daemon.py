@@ -20,7 +20,7 @@ from synthetic_writer import (Scenario, SyntheticEngine, assert_capture, capture
                               write_decode_backlog)
 from vllm_tap import wire_format as wf
 from vllm_tap.client import AmbiguousCapture, CaptureEvicted, Chunk, Client, DaemonStopped, Gap
-from vllm_tap.daemon.reassembly import Begin, End, Tokens
+from vllm_tap.daemon.events import Begin, End, Tokens
 from vllm_tap.daemon.store import LookupFailed, Store
 from waiting import wait_until as _wait
 
@@ -95,7 +95,7 @@ def test_late_subscribe_after_the_end_and_a_clear_error_after_eviction(daemon_fa
 
 def test_daemon_sigkilled_mid_stream_and_restarted_loses_nothing_still_in_the_ring(daemon_factory, shm_dir):
     """What was still in the rings arrives; what the killed daemon had read but held back (the newest
-    position, see reassembly.HOLD_NEWEST) is reported missing, with a reason, never silently."""
+    position, see assembly.HOLD_NEWEST) is reported missing, with a reason, never silently."""
     sc = Scenario(tp=2, n_requests=2, prompt_len=8, gen_len=12, chunk=4)
     d = daemon_factory(end_grace_s=1.0)
     eng = SyntheticEngine(sc, shm_dir)

@@ -1,5 +1,5 @@
-"""Every capture ends, says why, and accounts for every expected position (issue 11, items 10-12):
-after a daemon restart, when the END is lost, when the writer dies. Real daemon processes, real
+"""Every capture ends, says why, and accounts for every expected position: after a daemon restart,
+when the END is lost, when the writer dies. Real daemon processes, real
 rings, writers in this process or in a child process."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 from synthetic_writer import Scenario, SyntheticEngine, expected
 from vllm_tap.client import CaptureLost, CaptureNotFound, Chunk, Client, Gap
-from vllm_tap.daemon.reassembly import END_LOST, NOT_CAPTURED_PREVIOUS, WRITER_GONE
+from vllm_tap.daemon.events import END_LOST, NOT_CAPTURED_PREVIOUS, WRITER_GONE
 from waiting import wait_until as _wait
 
 
@@ -274,7 +274,7 @@ def test_a_backlog_read_long_after_its_ends_arrives_whole_with_no_timeout(daemon
     stood. A grace of 0 makes that the only wait, so the daemon reading fast cannot hide a capture
     ending early. (Before: a capture ended end_grace_s after its END was read, and what the ring still
     held of it became a `timeout` gap, then was discarded as late.)"""
-    from vllm_tap.daemon.rings import READ_BUDGET_BYTES
+    from vllm_tap.daemon.ring_poller import READ_BUDGET_BYTES
     from vllm_tap.ring_records import TensorId
     from vllm_tap.spec import CaptureSpec, LogitsMode, PositionsMode
     from synthetic_writer import write_decode_backlog

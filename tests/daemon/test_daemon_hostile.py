@@ -1,6 +1,6 @@
-"""A real daemon process reading real ring files that a broken or hostile writer made (issue 11,
-items 3, 5, 6 and 9): it must survive every one of them, say what it skipped, end the captures
-concerned with a reason, and keep serving everyone else."""
+"""A real daemon process reading real ring files that a broken or hostile writer made: it must
+survive every one of them, say what it skipped, end the captures concerned with a reason, and keep
+serving everyone else."""
 
 from __future__ import annotations
 

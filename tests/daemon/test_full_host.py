@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 
 from synthetic_writer import Scenario, SyntheticEngine, assert_capture, capture_arrays, expected
+from vllm_tap import ring_format as rf
 from vllm_tap.client import Client
 from vllm_tap.ring_reader import RingReader
+from vllm_tap.ring_records import per_tensor
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (needs root)")
 
@@ -100,7 +102,7 @@ def test_a_shm_filled_after_start_costs_the_arena_never_a_ring_or_a_position(dae
 
 
 def test_memory_of_its_own_that_cannot_be_written_is_read_privately_not_blamed_on_the_ring(shm_dir):
-    # A sink that hands out pages of a file nothing reserved, on a full tmpfs: the read into them
+    # A destination that hands out pages of a file nothing reserved, on a full tmpfs: the read into them
     # fails (EFAULT). The reader must keep the ring and deliver the same bytes from its own memory.
     os.makedirs(shm_dir)
     sc = Scenario(tp=1, n_requests=2, vocab=8192, hidden=16, layers=(0,), gen_len=3, chunk=4, ring_bytes=4 << 20)
@@ -113,29 +115,32 @@ def test_memory_of_its_own_that_cannot_be_written_is_read_privately_not_blamed_o
     fill(shm_dir)
     handed = []
 
-    def sink(plan, i):
-        if plan.payload_nbytes < 64 << 10:  # small records are copied, not read, into a sink's array
-            return None
-        rows, width = plan.part_rows(i), plan.width
-        a = np.frombuffer(holes, plan.dtype, count=rows * width, offset=len(handed) * (1 << 20)).reshape(rows, width)
-        handed.append(a)
-        return a
+    class Holes:
+        def block(self, nbytes):
+            if nbytes < 64 << 10:  # small records are copied, not read, into a destination's memory
+                return None
+            a = np.frombuffer(holes, np.uint8, count=nbytes, offset=len(handed) * (8 << 20))
+            handed.append(a)
+            return a
 
-    reader = RingReader(eng.ranks[0].path)
-    reader.sink = sink
+        def columns(self, *args):
+            return None
+
+    reader = RingReader(eng.ranks[0].path, destination=Holes())
     try:
-        recs = [r for r in reader.poll() if r.data is not None]
-        assert handed, "no record was read through the sink"
-        assert reader.sink_failures == len(handed) and reader.rejected == 0 and reader.corrupt == 0
-        seen = 0
-        for r in recs:
-            assert all(r.data.base is not h.base for h in handed)
-            if r.data.shape[1] == sc.vocab:
-                i = int(r.request_id.rsplit("-", 1)[1])
-                assert r.data.tobytes() == expected(sc, i)["logits"][r.positions].tobytes()
-                seen += r.data.nbytes >= 64 << 10
+        recs = [r for r in reader.poll() if r.kind == rf.RecordKind.DATA]
+        assert handed, "no record was read through the destination"
+        assert reader.destination_failures == len(handed) and reader.rejected == 0 and reader.corrupt == 0
+        large = 0
+        for rec in recs:
+            large += rec.nbytes >= 64 << 10
+            for r in per_tensor([rec]):
+                assert all(not np.shares_memory(r.data, h) for h in handed)
+                if r.data.shape[1] == sc.vocab:
+                    i = int(r.request_id.rsplit("-", 1)[1])
+                    assert r.data.tobytes() == expected(sc, i)["logits"][r.positions].tobytes()
         n_handed = len(handed)
-        assert seen == n_handed, (seen, n_handed, [(r.request_id, r.data.shape) for r in recs])
+        assert large == n_handed, (large, n_handed, [(rec.step, rec.nbytes) for rec in recs])
     finally:
         reader.close()
         del handed[:]

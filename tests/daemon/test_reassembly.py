@@ -10,14 +10,17 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_tap import ring_format as rf
-from vllm_tap.daemon.reassembly import (
+from vllm_tap.daemon.events import (
     DROPPED, END_LOST, INCOMPLETE, MALFORMED, NOT_CAPTURED, NOT_CAPTURED_PREVIOUS, OVER_BUDGET, OVERLOADED, TIMEOUT,
     WRITER_GONE,
-    Begin, End, Gap, Reassembler, Tokens,
+    Begin, End, Gap, Tokens,
 )
-from vllm_tap.ring_records import RingRecord, TensorId
+from vllm_tap.daemon.reassembly import Reassembler
+from vllm_tap.ring_records import ControlRecord, DataRecord, Slice, TensorId
 from vllm_tap.ring_schema import control_record
 from vllm_tap.spec import CaptureSpec
+
+from slices import record_of
 
 V = 8  # vocab
 H = 4  # hidden
@@ -36,25 +39,25 @@ def vals(name: str, positions, s0: int, s1: int) -> np.ndarray:
 
 
 def data(step, positions, *, tensor=LOGITS, rank=0, expected=1, parts=1, s=None, full=None, rid=RID,
-         source=None, n_prompt=4, start=-1, tail=0, origin="client") -> RingRecord:
+         source=None, n_prompt=4, start=-1, tail=0, origin="client") -> DataRecord:
     full = full or (V if tensor.kind == rf.TensorKind.LOGITS else H)
     s0, s1 = s or (0, full)
     pos = np.asarray(positions, np.int32)
-    return RingRecord(
-        kind=rf.RecordKind.DATA, request_id=rid, step=step, rank=rank, expected_ranks=expected, rank_parts=parts,
+    return record_of(Slice(
+        request_id=rid, step=step, rank=rank, expected_ranks=expected, rank_parts=parts,
         tensor=tensor, dtype=rf.DType.FLOAT32, slice_start=s0, slice_stop=s1, full_dim=full, num_prompt_tokens=n_prompt,
         positions=pos, token_ids=pos + 1000, data=vals(tensor.name, pos, s0, s1), ring=source or f"rank-{rank:05d}.ring",
         start=start, tail=tail, source=origin,
-    )
+    ))
 
 
-def begin(rid=RID, n_prompt=4, spec=None) -> RingRecord:
+def begin(rid=RID, n_prompt=4, spec=None) -> ControlRecord:
     return control_record(rf.RecordKind.BEGIN, rid, {
         "spec": (spec or CaptureSpec()).to_meta(), "num_prompt_tokens": n_prompt,
         "prompt_token_ids": list(range(n_prompt)), "n": 1, "model": "m"})
 
 
-def end(end_position, rid=RID, n_prompt=4, reason="stop", spec=None) -> RingRecord:
+def end(end_position, rid=RID, n_prompt=4, reason="stop", spec=None) -> ControlRecord:
     n_out = min(max(end_position - n_prompt + 1, 0), 64)  # the ids are not what these tests are about
     meta = {"reason": reason, "num_prompt_tokens": n_prompt, "num_output_tokens": n_out,
             "output_token_ids": [7] * n_out, "end_position": end_position}
@@ -63,13 +66,13 @@ def end(end_position, rid=RID, n_prompt=4, reason="stop", spec=None) -> RingReco
     return control_record(rf.RecordKind.END, rid, meta)
 
 
-def drop(positions, rid=RID, rank=0) -> RingRecord:
+def drop(positions, rid=RID, rank=0) -> ControlRecord:
     return control_record(rf.RecordKind.DROP, rid, {"tensor": int(rf.TensorKind.LOGITS), "layer": -1,
                                                    "positions": list(positions)},
                           rank=rank, ring=f"rank-{rank:05d}.ring")
 
 
-def live(*rids) -> RingRecord:
+def live(*rids) -> ControlRecord:
     return control_record(rf.RecordKind.LIVE, "", {"requests": list(rids)})
 
 
@@ -102,7 +105,7 @@ def test_single_rank_in_order_views_and_end():
     ev = feed(r, rec, data(1, [4]), end(5))
     assert delivered(ev) == [0, 1, 2, 3, 4]
     first = ev[0]
-    assert np.shares_memory(first.tensors["logits"], rec.data), "tp=1 must not copy"
+    assert np.shares_memory(first.tensors["logits"], rec.sections[0].parts[0]), "tp=1 must not copy"
     assert first.tensors["logits"].tobytes() == vals("logits", [0, 1, 2, 3], 0, V).tobytes()
     assert list(first.token_ids) == [1000, 1001, 1002, 1003]
     e = the_end(ev)
@@ -192,7 +195,7 @@ def test_recomputed_positions_are_delivered_once():
     ev += feed(r, rec)
     assert delivered(ev) == [0, 1, 2, 3, 4, 5]
     last = [e for e in ev if isinstance(e, Tokens)][-1]
-    assert list(last.positions) == [5] and np.shares_memory(last.tensors["logits"], rec.data)
+    assert list(last.positions) == [5] and np.shares_memory(last.tensors["logits"], rec.sections[0].parts[0])
     ev += feed(r, data(3, [0, 1, 2]))  # a pure duplicate changes nothing
     assert delivered(ev) == [0, 1, 2, 3, 4, 5]
     assert r.stats["duplicate_records"] == 1
@@ -588,7 +591,7 @@ def test_nothing_is_held_back_when_the_engine_does_not_schedule_asynchronously()
 # -- captures a worker shed (hooks/admission.py) --
 
 
-def shed(rid=RID, rank=0, n_prompt=4, spec=None) -> RingRecord:
+def shed(rid=RID, rank=0, n_prompt=4, spec=None) -> ControlRecord:
     s = spec or CaptureSpec()
     return control_record(rf.RecordKind.SHED, rid, {"reason": "overloaded", "num_prompt_tokens": n_prompt,
                                                    "spec": s.to_meta(), "source": s.source},
@@ -651,7 +654,7 @@ def test_a_shed_capture_handed_over_to_the_next_daemon_still_ends_as_one_overloa
     feed(first, begin(), shed(rank=0))
     blob = msgspec.msgpack.encode(first.export_state())
     second = plain()
-    ev = second.restore(msgspec.msgpack.decode(blob, type=list[ho.Capture]), 1.0)
+    ev = second.restore(msgspec.msgpack.decode(blob, type=list[ho.InFlight]), 1.0)
     ev += feed(second, end(5), now=1.0)
     _one_overloaded_gap(ev, 5)
 
@@ -661,7 +664,7 @@ def test_a_shed_capture_handed_over_to_the_next_daemon_still_ends_as_one_overloa
 R0, R1 = "rank-00000.ring", "rank-00001.ring"
 
 
-def tp2(step, positions, rank) -> RingRecord:
+def tp2(step, positions, rank) -> DataRecord:
     half = V // 2
     return data(step, positions, rank=rank, expected=2, s=(0, half) if rank == 0 else (half, V),
                 source=f"rank-{rank:05d}.ring")

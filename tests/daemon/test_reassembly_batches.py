@@ -1,5 +1,5 @@
-"""A DATA record read whole (a DataBatch, the daemon's way) must give exactly the events its
-records give one by one (the way of every other reader): the same Tokens (positions, ids, values),
+"""A DATA record of whole tensors read into one block (the daemon's way) must give exactly the
+events its slices give one by one, each fed as a record of its own: the same Tokens (positions, ids, values),
 Gaps (reasons), Begins and Ends, the same bytes held and the same counters, whatever the order of
 positions, duplicates, recomputes, prefill chunks, ENDs and DROPs. The records are written by the
 real ring writer and read back by the real reader, once each way."""
@@ -16,13 +16,16 @@ from hypothesis import strategies as st
 
 from vllm_tap import ring_format as rf
 from vllm_tap.daemon import step_runs
-from vllm_tap.daemon.reassembly import ENGINE_SOURCE, Begin, End, Gap, Reassembler, Tokens
+from vllm_tap.daemon.events import Begin, End, Gap, Tokens
+from vllm_tap.daemon.reassembly import ENGINE_SOURCE, Reassembler
 from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_reader import RingReader
-from vllm_tap.ring_records import DataBatch, RequestRef, RequestTable, TensorId
+from vllm_tap.ring_records import DataRecord, RequestRef, RequestTable, TensorId, per_tensor
 from vllm_tap.ring_schema import control_record
 from vllm_tap.ring_writer import RingWriter
 from vllm_tap.spec import CaptureSpec
+
+from slices import record_of
 
 N_PROMPT = 4
 LOGITS = TensorId(rf.TensorKind.LOGITS)
@@ -53,9 +56,24 @@ def _drop(rid: str, positions: list[int]) -> object:
                                                    "positions": positions}, rank=0, ring="rank-00000.ring")
 
 
+class _Blocks:
+    """A destination that hands out heap blocks and keeps them (to check where payloads went)."""
+
+    def __init__(self) -> None:
+        self.buffers: list[np.ndarray] = []
+
+    def block(self, nbytes: int) -> np.ndarray:
+        buf = np.empty(nbytes, np.uint8)
+        self.buffers.append(buf)
+        return buf
+
+    def columns(self, *args) -> None:
+        return None
+
+
 class _Rings:
     """One rank ring, written by the real writer and read by two readers: one reading whole records
-    (DataBatch), one reading one RingRecord per request and tensor."""
+    into blocks (the daemon's way), one whose records are fed one slice (request and tensor) at a time."""
 
     def __init__(self, vocab: int, hidden: int):
         self.dir = tempfile.mkdtemp(prefix="vllm-tap-batches-", dir="/dev/shm")
@@ -63,15 +81,13 @@ class _Rings:
         self.sections = _sections(vocab, hidden)
         # Nobody moves the read cursor (both readers only look): room for every record of a test.
         self.writer = RingWriter(path, max(8 << 20, 3 * 4 * (vocab + hidden) * 4))
-        self.batched = RingReader(path, writable=False)
-        self.buffers: list[np.ndarray] = []
-        self.batched.batch_alloc = self._alloc
+        self.blocks = _Blocks()
+        self.buffers = self.blocks.buffers
+        self.batched = RingReader(path, writable=False, destination=self.blocks)
         self.single = RingReader(path, writable=False)
 
     def _alloc(self, nbytes: int) -> np.ndarray:
-        buf = np.empty(nbytes, np.uint8)
-        self.buffers.append(buf)
-        return buf
+        return self.blocks.block(nbytes)
 
     def write(self, step: int, rows: list[tuple[str, int]], split: str = "") -> None:
         """One record: rows of (request id, position), in this order. split "both": the step as two
@@ -96,8 +112,8 @@ class _Rings:
         """What each reader reads of what was written since; the batched reader's records joined as
         the daemon joins them (daemon/step_runs: a step's records, then decode steps in runs)."""
         batched = [run[0] if len(run) == 1 else step_runs.join(run, self._alloc)
-                   for _start, run in step_runs.plan(self.batched.poll(), ())]
-        return batched, self.single.poll()
+                   for _start, run in step_runs.runs(self.batched.poll(), ())]
+        return batched, [record_of(x) for x in per_tensor(self.single.poll())]
 
     def close(self) -> None:
         for x in (self.writer, self.batched, self.single):
@@ -141,16 +157,17 @@ def _run(ops: list, hold: int, vocab: int = 8, hidden: int = 4) -> tuple[Reassem
                 split = op[2] if len(op) > 2 else ""
                 rings.write(t + 1, op[1], split)
                 got_a, got_b = rings.read()
-                assert len(got_a) == 1 and type(got_a[0]) is DataBatch
+                assert len(got_a) == 1 and type(got_a[0]) is DataRecord
                 batch = got_a[0]
                 batches += 1
                 assert len(batch.sections) == (1 if split == "first" else 2)
-                # The payloads were copied once, into the buffers the reader was given.
-                bases = [(b.__array_interface__["data"][0], len(b)) for b in rings.buffers[-(2 if split == "both" else 1):]]
-                for _tid, _dt, arr in batch.sections:
-                    at = arr.__array_interface__["data"][0]
-                    assert any(lo <= at < lo + n for lo, n in bases)
-                ev_a = a.feed_batch(batch, now)
+                if batch.all_whole:  # the payloads were copied once, into the blocks the reader was given
+                    bases = [(b.__array_interface__["data"][0], len(b))
+                             for b in rings.buffers[-(2 if split == "both" else 1):]]
+                    for sec in batch.sections:
+                        at = sec.data.__array_interface__["data"][0]
+                        assert any(lo <= at < lo + n for lo, n in bases)
+                ev_a = a.feed(batch, now)
                 ev_b = [ev for rec in got_b for ev in b.feed(rec, now)]
             else:
                 ev_a, ev_b = a.feed(op[1], now), b.feed(op[1], now)
@@ -282,15 +299,15 @@ def test_a_tensor_parallel_slice_is_not_batched():
     d = tempfile.mkdtemp(prefix="vllm-tap-batches-", dir="/dev/shm")
     path = ring_path(d, "x", 0)
     w = RingWriter(path, 1 << 20)
-    r = RingReader(path)
-    r.batch_alloc = lambda n: np.empty(n, np.uint8)
+    r = RingReader(path, destination=_Blocks())
     try:
         table = RequestTable([RequestRef("r0", "", N_PROMPT, 2, 1, 0, 0, "client")])
         rows = np.array([[0], [0], [1000]], np.int32)
         res = w.reserve_sections(table, rows, ((LOGITS, rf.DType.FLOAT32, 4, (0, 4), 8),), step=1)
         w.commit(res)
         (rec,) = r.poll()
-        assert type(rec) is not DataBatch and (rec.slice_start, rec.slice_stop, rec.full_dim) == (0, 4, 8)
+        (sec,) = rec.sections
+        assert not rec.all_whole and sec.data is None and (sec.slice_start, sec.slice_stop, sec.full_dim) == (0, 4, 8)
     finally:
         w.close()
         r.close()
@@ -338,8 +355,8 @@ def _run_bursts(ops: list, hold: int) -> tuple[Reassembler, Reassembler, int]:
                     rings.write(step, rows, op[2])
                 got_a, got_b = rings.read()
                 for item in got_a:
-                    joined += len(item.steps) if type(item) is DataBatch and item.steps else 0
-                    ev_a += a.feed_batch(item, now) if type(item) is DataBatch else a.feed(item, now)
+                    joined += len(item.steps) if type(item) is DataRecord and item.steps else 0
+                    ev_a += a.feed(item, now)
                 ev_b += [ev for rec in got_b for ev in b.feed(rec, now)]
             else:
                 ev_a += a.feed(op[1], now)
@@ -422,14 +439,14 @@ def test_steps_join_only_while_they_continue_each_other():
             rings.write(s, [("r0", p), ("r1", p)])
         rings.write(6, [("r0", 10)])  # another table
         rings.write(7, [("r0", 11), ("r1", 11)])
-        items = list(step_runs.plan(rings.batched.poll(), ()))
+        items = list(step_runs.runs(rings.batched.poll(), ()))
         assert [(start, len(run)) for start, run in items] == [(0, 3), (3, 2), (5, 1), (6, 1)]
         run = step_runs.join(items[0][1], None)
         assert run.positions.tolist() == [4, 5, 6, 4, 5, 6] and run.groups == [(0, slice(0, 3)), (1, slice(3, 6))]
-        assert run.parts == 3 * 2 * 2 and [a.shape for _, _, a in run.sections] == [(6, 8), (6, 4)]
+        assert run.n_slices == 3 * 2 * 2 and [sec.data.shape for sec in run.sections] == [(6, 8), (6, 4)]
         for s, p in enumerate((12, 13, 14), start=8):
             rings.write(s, [("r0", p), ("r1", p)])
         recs = rings.batched.poll()
-        assert [len(run) for _, run in step_runs.plan(recs, {2})] == [2, 1]  # a rejected record came before the third
+        assert [len(run) for _, run in step_runs.runs(recs, {2})] == [2, 1]  # a rejected record came before the third
     finally:
         rings.close()

@@ -230,7 +230,7 @@ def _metrics(text: str) -> dict[str, float]:
 def test_metrics_endpoint_serves_a_daemon_snapshot(shm_dir, sock_dir):
     from vllm_tap.daemon.metrics import _buckets
     from vllm_tap.daemon.server import Daemon
-    from vllm_tap.daemon.status import Histogram
+    from vllm_tap.daemon.latency import Histogram
 
     idle = Daemon(DaemonConfig(shm_dir=shm_dir, endpoint=f"ipc://{sock_dir}/unused.sock"))  # never run
     server, _ = start_metrics_server("127.0.0.1:0", idle)

@@ -15,7 +15,7 @@ import pytest
 
 from vllm_tap import wire_format as wf
 from vllm_tap.client.watch import WatchState
-from vllm_tap.daemon.reassembly import Begin, End, Gap, Tokens
+from vllm_tap.daemon.events import Begin, End, Gap, Tokens
 from vllm_tap.daemon.sequence import STATE_FILE, SequenceCounter, SequenceStateError
 from vllm_tap.daemon.store import Store
 from vllm_tap.daemon.watch import WatchHub

@@ -22,7 +22,7 @@ import pytest
 from reference import log_softmax
 from server_stack import ServerStack
 from vllm_tap.client import CaptureNotFound, Gap
-from vllm_tap.daemon.rings import READ_BUDGET_BYTES
+from vllm_tap.daemon.ring_poller import READ_BUDGET_BYTES
 from vllm_tap.ring_reader import read_info
 from vllm_tap.tools.tiny_model import TinyLlamaSpec, prompt_text
 

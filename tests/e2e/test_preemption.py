@@ -18,9 +18,11 @@ import numpy as np
 import pytest
 
 from reference import hf_forward, shutdown_llm, tiny_model
-from vllm_tap.daemon.reassembly import End, Reassembler, Tokens
+from vllm_tap.daemon.events import End, Tokens
+from vllm_tap.daemon.reassembly import Reassembler
 from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_format import RecordKind
+from vllm_tap.ring_records import per_tensor
 from vllm_tap.tools.tiny_model import prompt_text
 
 pytestmark = pytest.mark.vllm
@@ -50,7 +52,8 @@ def test_recomputed_positions_are_delivered_once_and_right():
     finally:
         shutil.rmtree(shm, ignore_errors=True)
 
-    written = collections.Counter((r.request_id, p) for r in data if r.tensor.name == "logits" for p in r.positions.tolist())
+    written = collections.Counter((r.request_id, p) for r in per_tensor(data) if r.tensor.name == "logits"
+                                  for p in r.positions.tolist())
     assert max(written.values()) > 1, "vLLM preempted and recomputed (else this test proves nothing)"
 
     reasm = Reassembler("pre", end_grace_s=1.0)

@@ -19,6 +19,7 @@ import pytest
 from reference import hf_forward, shutdown_llm, tiny_model, vllm_logprob_rows
 from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_format import RecordKind
+from vllm_tap.ring_records import per_tensor
 from vllm_tap.tools.tiny_model import TinyLlamaSpec, prompt_text
 
 pytestmark = pytest.mark.vllm
@@ -44,7 +45,7 @@ class Captures:
         for path in sorted(glob.glob(os.path.join(self.dir, "*.ring"))):
             if path not in self.readers:
                 self.readers[path] = RingReader(path)
-            for rec in self.readers[path].poll():
+            for rec in per_tensor(self.readers[path].poll()):
                 rid = rec.request_id
                 if rec.kind == RecordKind.BEGIN:
                     self.begin[rid] = rec.meta

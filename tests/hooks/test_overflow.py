@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from vllm_tap import ring_format as rf
-from vllm_tap.daemon.reassembly import DROPPED, OVERLOADED, End, Gap, Reassembler, Tokens
+from vllm_tap.daemon.events import DROPPED, OVERLOADED, End, Gap, Tokens
+from vllm_tap.daemon.reassembly import Reassembler
 from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView
 from vllm_tap.hooks.publisher import HostBackend, StagedPublisher, staging_bytes
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG

@@ -47,6 +47,7 @@ from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
 from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_writer import RingWriter
 from vllm_tap.ring_format import RecordKind
+from vllm_tap.ring_records import per_tensor
 from vllm_tap.spec import CaptureSpec, LogitsMode, PositionsMode
 
 VOCAB, HIDDEN, N_LAYERS, LAYERS = 40, 32, 3, (0, 2)
@@ -366,7 +367,7 @@ def run(kind, shm, counting: Counting | None = None):
                 counting.on = False
     reader = RingReader(writer.path)
     got = collections.defaultdict(list)
-    for rec in reader.poll():
+    for rec in per_tensor(reader.poll()):
         assert rec.kind == RecordKind.DATA
         for j, p in enumerate(rec.positions.tolist()):
             got[(rec.request_id, rec.tensor.name)].append((p, int(rec.token_ids[j]), rec.data[j].copy()))
@@ -531,7 +532,7 @@ def test_a_v2_step_failing_half_way_does_not_stall_the_ring(shm):
             runner.sample_tokens(None)
         reader = RingReader(writer.path)
         data, drops = collections.defaultdict(set), collections.defaultdict(set)
-        for rec in reader.poll():
+        for rec in per_tensor(reader.poll()):
             if rec.kind == RecordKind.DROP:
                 drops[rec.request_id] |= set(rec.meta["positions"])
             else:

@@ -21,6 +21,7 @@ from vllm_tap.hooks.capture_core import CaptureCore, RankPlace
 from vllm_tap.hooks.publisher import HostBackend, Publisher, StagedPublisher
 from vllm_tap.hooks.steady_step import SteadyStep
 from vllm_tap.ring_reader import RingReader
+from vllm_tap.ring_records import per_tensor
 from vllm_tap.ring_writer import RingWriter
 from vllm_tap.spec import CaptureSpec, DTypeMode, LogitsMode, PositionsMode
 
@@ -145,7 +146,7 @@ def test_each_tensor_parallel_rank_writes_its_share_and_rank_0_the_top_k(shm, lo
             for st in steps:
                 core.capture(st.view(row_of={r: i for i, r in enumerate(st.req_ids)}))
                 core.publisher.drain()
-                recs = reader.poll()
+                recs = per_tensor(reader.poll())
                 got[tp_rank] = sorted({(r.tensor.name, r.slice_start, r.slice_stop) for r in recs})
                 for r in recs:
                     i = st.req_ids.index(r.request_id)
@@ -333,7 +334,7 @@ def test_the_adapters_decode_steps_go_the_steady_way_and_capture_the_raw_rows(sh
         assert core.steady_steps >= 3, core.steady_steps
         reader = RingReader(writer.path)
         seen = {}
-        for rec in reader.poll():
+        for rec in per_tensor(reader.poll()):
             for j, p in enumerate(rec.positions.tolist()):
                 rid, name = rec.request_id, rec.tensor.name
                 assert (rid, name, p) not in seen

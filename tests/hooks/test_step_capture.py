@@ -28,6 +28,7 @@ from vllm_tap.hooks.publisher import HostBackend, Publisher, StagedPublisher, St
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
 from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_format import RecordKind
+from vllm_tap.ring_records import per_tensor
 from vllm_tap.spec import CaptureSpec, DTypeMode, LogitsMode, PositionsMode
 
 HIDDEN, VOCAB, LAYERS = 32, 50, (2, 5)
@@ -111,7 +112,7 @@ def read(path):
     reader = RingReader(path)
     got = collections.defaultdict(lambda: collections.defaultdict(dict))
     parts, drops, data_records = {}, collections.defaultdict(set), 0
-    for rec in reader.poll():
+    for rec in per_tensor(reader.poll()):
         if rec.kind == RecordKind.DROP:
             drops[rec.request_id] |= set(rec.meta["positions"])
             continue
@@ -319,7 +320,8 @@ def test_the_core_imports_no_vllm():
         "from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView\n"
         "from vllm_tap.hooks.publisher import Publisher\n"
         "from vllm_tap.hooks.settings import SPEC_EXTRA_ARG\n"
-        "from vllm_tap.ring_reader import RingReader\nfrom vllm_tap.ring_writer import RingWriter\n"
+        "from vllm_tap.ring_reader import RingReader\nfrom vllm_tap.ring_records import per_tensor\n"
+        "from vllm_tap.ring_writer import RingWriter\n"
         "from vllm_tap.spec import CaptureSpec\n"
         "import tempfile, os, shutil\n"
         "d = tempfile.mkdtemp(dir='/dev/shm')\n"
@@ -329,7 +331,7 @@ def test_the_core_imports_no_vllm():
         "h = torch.randn(3, 8); W = torch.randn(11, 8)\n"
         "core.capture(StepView(['a'], np.array([0, 3]), np.array([0]), np.array([5, 6, 7], np.int32), h, [h * 2],"
         " h[2:] @ W.T, lambda x: x @ W.T))\n"
-        "recs = RingReader(w.path).poll()\n"
+        "recs = per_tensor(RingReader(w.path).poll())\n"
         "assert sorted(r.tensor.name for r in recs) == ['hidden.1', 'logits'], recs\n"
         "w.close(unlink=True)\n"
         "shutil.rmtree(d)\n"
@@ -519,7 +521,7 @@ def test_staged_copies_happen_after_the_step_returns(ring):
         assert reader.poll() == []
         gate.set()
         core.publisher.drain()
-        recs = reader.poll()
+        recs = per_tensor(reader.poll())
         assert sorted(r.tensor.name for r in recs) == ["hidden.2", "hidden.5", "logits"]
         reader.close()
     finally:

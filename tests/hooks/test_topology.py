@@ -15,6 +15,7 @@ from test_step_capture import LAYERS, Step, make_core
 from vllm_tap.hooks.capture_core import RankPlace
 from vllm_tap.hooks.topology import home_writers
 from vllm_tap.ring_reader import RingReader
+from vllm_tap.ring_records import per_tensor
 from vllm_tap.ring_writer import RingWriter
 from vllm_tap.spec import CaptureSpec, LogitsMode
 
@@ -52,7 +53,7 @@ def test_tp_across_hosts_the_home_rank_writes_whole_rows_and_the_other_nothing(s
             for st in steps:
                 core.capture(st.view(row_of={r: i for i, r in enumerate(st.req_ids)}))
                 core.publisher.drain()
-                recs += [(st, r) for r in reader.poll()]
+                recs += [(st, r) for r in per_tensor(reader.poll())]
             if decode:
                 assert core.steady_steps == 3 if tp_rank == 0 else core.steady_steps == 0
         finally:

@@ -101,17 +101,17 @@ def _semantics_reasons() -> set[str]:
 
 def code_gap_reasons() -> dict[str, str]:
     """Every reason the code gives a Gap: the daemon's (the block of constants after "Why positions
-    are missing" in daemon/reassembly.py, read by name so a reason added there is checked too) and
+    are missing" in daemon/events.py, read by name so a reason added there is checked too) and
     the client's own (a region reused before it was copied; positions a restarted daemon skipped)."""
     from vllm_tap.client import arena, stream
-    from vllm_tap.daemon import reassembly
+    from vllm_tap.daemon import events
 
-    with open(reassembly.__file__, encoding="utf-8") as f:
+    with open(events.__file__, encoding="utf-8") as f:
         source = f.read()
     block = source.split("# Why positions are missing", 1)[1].split("\n\n", 1)[0]
     names = re.findall(r"^([A-Z][A-Z_]*)\s*=", block, re.M)
     assert len(names) >= 10, names
-    out = {f"daemon/reassembly.py {n}": getattr(reassembly, n) for n in names}
+    out = {f"daemon/events.py {n}": getattr(events, n) for n in names}
     out["client/arena.py OVERWRITTEN"] = arena.OVERWRITTEN
     out["client/stream.py LOST"] = stream.LOST
     return out

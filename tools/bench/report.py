@@ -192,10 +192,6 @@ def _msr(q: dict[str, Any] | None, sign: bool = False) -> str:
     return f"{format(q['median'], f)} ({format(lo, f)} – {format(hi, f)})"
 
 
-def _poll(row: dict[str, Any]) -> str:
-    return f"poll {row.get('poll_s', 0.0005) * 1e3:g} ms"
-
-
 # -- markdown --
 
 

@@ -138,7 +138,7 @@ def _writer_main(shm: str, ring_bytes: int, cmds: Any, results: Any) -> None:
             width = size // 4
             src = np.random.default_rng(0).standard_normal(width, dtype=np.float32).view(np.uint8)
             # A writer without a scheduler never computes past an end: it says so, and the daemon
-            # delivers each record at once instead of holding the newest back (reassembly.HOLD_NEWEST).
+            # delivers each record at once instead of holding the newest back (assembly.HOLD_NEWEST).
             eng.write_control(rf.RecordKind.BEGIN, name, {"spec": spec, "num_prompt_tokens": 1, "n": 1,
                                                           "async_scheduling": False})
             dropped = 0
