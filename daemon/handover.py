@@ -35,7 +35,7 @@ import numpy as np
 from vllm_tap import ring_format as rf
 from vllm_tap import ring_records
 from vllm_tap.ring_records import ControlRecord, TensorId
-from vllm_tap.ring_schema import control_record
+from vllm_tap.ring_schema import BeginMeta, ControlMeta, EndMeta, control_record
 from vllm_tap.spec import CaptureSpec
 
 from .assembly import Assembly, Tally
@@ -226,15 +226,21 @@ def export(a: Assembly) -> InFlight:
         sorted(a.sources), a.cut, a.hold, spans, slices, a.shed)
 
 
+def _control(meta: dict[str, Any], kind: type[ControlMeta]) -> ControlMeta:
+    """A BEGIN's or END's meta as a handover file carries it (its spec as CaptureSpec.to_meta()),
+    decoded as the ring's record would be."""
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(meta), type=kind)
+
+
 def resume(c: InFlight, instance: str, tally: Tally, now: float
            ) -> tuple[Assembly, ControlRecord | None, list[ring_records.Slice]]:
     """The Assembly a handed-over capture continues as (the positions the previous daemon delivered
     first, as one Gap NOT_CAPTURED_PREVIOUS, then what it held), its END record (None if it had
     none), and its pending slices to feed again. Raises ring_schema.Rejected, ValueError, KeyError
     or TypeError for a capture that cannot be continued."""
-    begin = control_record(rf.RecordKind.BEGIN, c.request_id, c.begin, tap_key=c.tap_key) \
+    begin = control_record(_control(c.begin, BeginMeta), c.request_id, tap_key=c.tap_key) \
         if c.begin is not None else None
-    end = control_record(rf.RecordKind.END, c.request_id, c.end, tap_key=c.tap_key) if c.end is not None else None
+    end = control_record(_control(c.end, EndMeta), c.request_id, tap_key=c.tap_key) if c.end is not None else None
     spans = []
     for held in c.spans:
         if held.positions is None:

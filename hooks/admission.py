@@ -33,6 +33,7 @@ import collections
 import logging
 
 from vllm_tap import ring_format as rf
+from vllm_tap.ring_schema import ShedMeta, spec_field
 from vllm_tap.ring_writer import RingWriter
 from vllm_tap.spec import DEFAULT_SHED_AT, CaptureSpec
 
@@ -62,8 +63,8 @@ class Admission:
             self._decided.popitem(last=False)
         if not ok:
             self.shed += 1
-            self.writer.write_shed(rid, {
-                "reason": rf.SHED_OVERLOADED, "num_prompt_tokens": num_prompt, "spec": spec.to_meta(), "source": spec.source,
-                "unread_bytes": unread, "capacity": self.writer.capacity,
-            }, tap_key=spec.key)
+            self.writer.write_shed(rid, ShedMeta(
+                reason=rf.SHED_OVERLOADED, num_prompt_tokens=num_prompt, spec=spec_field(spec), source=spec.source,
+                unread_bytes=unread, capacity=self.writer.capacity,
+            ), tap_key=spec.key)
         return ok

@@ -37,6 +37,7 @@ from vllm_tap import ring_format as rf
 from vllm_tap.identity import N_EXTRA_ARG
 from vllm_tap.placement import encode as encode_placement
 from vllm_tap.ring_files import RingSpaceError, ring_path
+from vllm_tap.ring_schema import BeginMeta, EndMeta, LiveMeta, spec_field
 from vllm_tap.ring_writer import RingWriter
 from vllm_tap.safe_paths import UnsafePath
 from vllm_tap.spec import CaptureOptionError, CaptureSpec
@@ -124,13 +125,11 @@ class EngineEvents:
             return
         n = extra.get(N_EXTRA_ARG, 1)
         n = n if type(n) is int and 1 <= n <= _MAX_N else 1
-        meta = {
-            "spec": spec.to_meta(), "source": spec.source, "num_prompt_tokens": int(request.num_prompt_tokens),
-            "prompt_token_ids": list(request.prompt_token_ids or ()), "n": n, "model": self.model,
-        }
+        meta = BeginMeta(spec=spec_field(spec), source=spec.source, num_prompt_tokens=int(request.num_prompt_tokens),
+                         prompt_token_ids=list(request.prompt_token_ids or ()), n=n, model=self.model)
         with self._lock:
             self.capturing[rid] = spec
-            self.writer.write_control(rf.RecordKind.BEGIN, rid, meta, tap_key=spec.key)
+            self.writer.write_control(rid, meta, tap_key=spec.key)
 
     def end(self, request) -> None:
         rid = request.request_id
@@ -142,21 +141,21 @@ class EngineEvents:
         n_prompt = int(request.num_prompt_tokens)
         # The model has computed every position but the last sampled token's.
         end_position = n_prompt + len(out) - 1 if out else int(request.num_computed_tokens)
-        meta = {
-            "reason": reason.name.lower() if reason is not None else "finished",
-            "num_prompt_tokens": n_prompt, "num_output_tokens": len(out),
-            "output_token_ids": out, "end_position": end_position,
-            "spec": spec.to_meta(), "source": spec.source,
-        }
+        meta = EndMeta(
+            reason=reason.name.lower() if reason is not None else "finished",
+            num_prompt_tokens=n_prompt, num_output_tokens=len(out),
+            output_token_ids=out, end_position=end_position,
+            spec=spec_field(spec), source=spec.source,
+        )
         with self._lock:
             self.capturing.pop(rid, None)
-            self.writer.write_control(rf.RecordKind.END, rid, meta, tap_key=spec.key)
+            self.writer.write_control(rid, meta, tap_key=spec.key)
 
     def live(self) -> bool:
         """One LIVE record now (the timer's tick); False when the ring is full or control records
         wait ahead of it (retried first; the next tick tries again)."""
         with self._lock:
-            return self.writer.write_control_if_room(rf.RecordKind.LIVE, "", {"requests": list(self.capturing)})
+            return self.writer.write_control_if_room("", LiveMeta(list(self.capturing)))
 
 
 def patch_module(module) -> None:

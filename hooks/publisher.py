@@ -55,6 +55,7 @@ import torch
 
 from vllm_tap import ring_format as rf
 from vllm_tap.ring_records import RequestTable, TensorId
+from vllm_tap.ring_schema import drop_metas
 from vllm_tap.ring_writer import PreparedRecord, Reservation, RingWriter
 
 log = logging.getLogger("vllm_tap.hooks")
@@ -93,14 +94,8 @@ def staging_bytes(ring_bytes: int) -> int:
 def report_drop(writer: RingWriter, table: RequestTable, rows: np.ndarray, tensor: TensorId) -> None:
     """One DROP record per request with rows in `rows` (int32 [3, n]: slot, position, token id):
     the daemon turns those positions into gaps."""
-    slots, positions = rows[0], rows[1]
-    for slot in np.unique(slots).tolist():
-        ref = table.refs[slot]
-        writer.write_control(
-            rf.RecordKind.DROP, ref.request_id,
-            {"tensor": int(tensor.kind), "layer": tensor.layer, "positions": positions[slots == slot].tolist()},
-            tap_key=ref.tap_key,
-        )
+    for ref, meta in drop_metas(table, rows[0], rows[1], tensor):
+        writer.write_control(ref.request_id, meta, tap_key=ref.tap_key)
 
 
 def _pad_out(writer: RingWriter, starts: Sequence[int]) -> None:
@@ -108,7 +103,7 @@ def _pad_out(writer: RingWriter, starts: Sequence[int]) -> None:
     them, whatever their payload holds."""
     mm = writer.buffer
     for at in starts:
-        mm[at : at + 4] = b"PAD\x00"
+        mm[at : at + 4] = rf.PAD_MAGIC
 
 
 class _RingViews:

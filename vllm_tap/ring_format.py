@@ -203,10 +203,41 @@ assert RECORD_HEADER.size <= ALIGN
 RECORD_HEADER_SIZE = ALIGN
 ENGINE_RANK_U16 = 0xFFFF
 # A PAD record needs only magic and length; any tail is a multiple of ALIGN, so it always fits.
+PAD_MAGIC = b"PAD\x00"
 PAD_HEADER = struct.Struct("<4sI")
+
+
+def rank_u16(rank: int) -> int:
+    """A rank as the record header stores it (the engine's ENGINE_RANK as ENGINE_RANK_U16)."""
+    return ENGINE_RANK_U16 if rank == ENGINE_RANK else rank
+
+
+def rank_of_u16(rank16: int) -> int:
+    return ENGINE_RANK if rank16 == ENGINE_RANK_U16 else rank16
+
+
+def pack_record_header(
+    buf, at: int, *, total: int, kind: int, rank: int, payload_off: int, tensor: int = 0, dtype: int = 0,
+    layer: int = -1, n_rows: int = 0, n_requests: int = 0, key_len: int = 0, n_sections: int = 0, meta_len: int = 0,
+    step: int = 0, slice_start: int = 0, slice_stop: int = 0, full_dim: int = 0,
+) -> None:
+    """Write a record header (RECORD_HEADER) into `buf` at `at`: the one place its fields are packed."""
+    RECORD_HEADER.pack_into(buf, at, RECORD_MAGIC, total, kind, tensor, dtype, 0, layer, rank_u16(rank), n_rows,
+                            n_requests, key_len, n_sections, meta_len, step, slice_start, slice_stop, full_dim,
+                            payload_off)
+
+
+def pack_pad(buf, at: int, length: int) -> None:
+    """A PAD record of `length` bytes (a multiple of ALIGN) at `at`: the reader skips it whole."""
+    PAD_HEADER.pack_into(buf, at, PAD_MAGIC, length)
 
 # Control records (BEGIN/END/DROP) carry a key section: request id, NUL, tap key (may be empty).
 KEY_SEPARATOR = b"\x00"
+
+
+def control_key(request_id: str, tap_key: str = "") -> bytes:
+    """A control record's key section."""
+    return request_id.encode() + KEY_SEPARATOR + tap_key.encode()
 
 # DATA records hold the rows one rank captured for one tensor in one step, for every request that
 # captured it then: one record per (step, tensor) instead of one per (request, step, tensor), so the

@@ -390,7 +390,7 @@ class RingReader:
                 self._lose(r, w, f"bad record length {total}")
                 r = w
                 break
-            if magic == b"PAD\x00":
+            if magic == rf.PAD_MAGIC:
                 r += total
                 continue
             if magic != rf.RECORD_MAGIC:

@@ -1,4 +1,6 @@
-"""Typed decoding of ring records: the one place where untrusted ring bytes become Python values.
+"""Typed ring records: the one place where untrusted ring bytes become Python values, and the
+control records' meta Structs (BeginMeta, EndMeta, DropMeta, LiveMeta, ShedMeta) that writers
+encode (`encode_control`) and the reader decodes, the same type on both sides.
 
 Any process that may open a ring for writing can put anything in it, so the reader trusts nothing
 it finds there. Rules this module keeps:
@@ -28,14 +30,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, NamedTuple
+from typing import Annotated, Any, Iterator, NamedTuple, Union
 
 import msgspec
 import numpy as np
 
 from vllm_tap import ring_format as rf
 from vllm_tap.ring_payload import DataLayout, Destination, SectionLayout, land
-from vllm_tap.ring_records import ControlRecord, Record, Section, TensorId
+from vllm_tap.ring_records import ControlRecord, Record, RequestRef, RequestTable, Section, TensorId
 from vllm_tap.spec import CaptureSpec
 
 # -- bounds (a legitimate writer stays far inside every one of them) --
@@ -76,7 +78,7 @@ SourceStr = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SOURCE_CHAR
 # -- schemas --
 
 
-class BeginMeta(msgspec.Struct, forbid_unknown_fields=False):
+class BeginMeta(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
     """BEGIN: a request started capturing (hooks/engine_events)."""
 
     spec: msgspec.Raw = msgspec.Raw()  # CaptureSpec.to_meta(), decoded on its own (bounded, see _spec)
@@ -90,7 +92,7 @@ class BeginMeta(msgspec.Struct, forbid_unknown_fields=False):
     source: SourceStr | None = None  # who asked (spec.SOURCE_*); the spec says it too
 
 
-class EndMeta(msgspec.Struct, forbid_unknown_fields=False):
+class EndMeta(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
     """END: how a request finished; spec and source again, for a reader that missed the BEGIN."""
 
     reason: Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)] = "finished"
@@ -102,7 +104,7 @@ class EndMeta(msgspec.Struct, forbid_unknown_fields=False):
     source: SourceStr | None = None
 
 
-class DropMeta(msgspec.Struct, forbid_unknown_fields=False):
+class DropMeta(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
     """DROP: the writer dropped a record; these positions of the request are missing."""
 
     tensor: int = 0
@@ -110,13 +112,13 @@ class DropMeta(msgspec.Struct, forbid_unknown_fields=False):
     positions: Annotated[list[Position], msgspec.Meta(max_length=MAX_DROP_POSITIONS)] = []
 
 
-class LiveMeta(msgspec.Struct, forbid_unknown_fields=False):
+class LiveMeta(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
     """LIVE (engine ring): the requests still capturing."""
 
     requests: Annotated[list[RequestIdStr], msgspec.Meta(max_length=MAX_LIVE_REQUESTS)] = []
 
 
-class ShedMeta(msgspec.Struct, forbid_unknown_fields=False):
+class ShedMeta(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
     """SHED (worker ring): the writer did not admit the capture; why, and what places it."""
 
     reason: Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)] = "overloaded"
@@ -149,13 +151,38 @@ class _IdOnly(msgspec.Struct, array_like=True, forbid_unknown_fields=False):
     request_id: RequestIdStr
 
 
-_CONTROL_DECODERS = {
-    rf.RecordKind.BEGIN: msgspec.msgpack.Decoder(BeginMeta),
-    rf.RecordKind.END: msgspec.msgpack.Decoder(EndMeta),
-    rf.RecordKind.DROP: msgspec.msgpack.Decoder(DropMeta),
-    rf.RecordKind.LIVE: msgspec.msgpack.Decoder(LiveMeta),
-    rf.RecordKind.SHED: msgspec.msgpack.Decoder(ShedMeta),
+ControlMeta = Union[BeginMeta, EndMeta, DropMeta, LiveMeta, ShedMeta]
+# Each control record's kind and its meta's type: the writer encodes the Struct it is given, the
+# reader decodes the same Struct (fields left at their default are omitted: the reader fills them in).
+CONTROL_KINDS: dict[type, rf.RecordKind] = {
+    BeginMeta: rf.RecordKind.BEGIN,
+    EndMeta: rf.RecordKind.END,
+    DropMeta: rf.RecordKind.DROP,
+    LiveMeta: rf.RecordKind.LIVE,
+    ShedMeta: rf.RecordKind.SHED,
 }
+_CONTROL_DECODERS = {kind: msgspec.msgpack.Decoder(t) for t, kind in CONTROL_KINDS.items()}
+_CONTROL_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode_control(meta: ControlMeta) -> tuple[rf.RecordKind, bytes]:
+    """A control record's kind and meta section, from its meta Struct."""
+    return CONTROL_KINDS[type(meta)], _CONTROL_ENCODER.encode(meta)
+
+
+def spec_field(spec: CaptureSpec) -> msgspec.Raw:
+    """A capture spec as BEGIN, END and SHED carry it (CaptureSpec.to_meta(), packed)."""
+    return msgspec.Raw(_CONTROL_ENCODER.encode(spec.to_meta()))
+
+
+def drop_metas(table: RequestTable, slots: np.ndarray, positions: np.ndarray,
+               tensor: TensorId) -> Iterator[tuple[RequestRef, DropMeta]]:
+    """One DROP per request with rows among `slots` (its table slots; `positions` beside them): those
+    positions of that tensor will never arrive, and the daemon turns them into gaps."""
+    slots = np.asarray(slots)
+    positions = np.asarray(positions)
+    for slot in np.unique(slots).tolist():
+        yield table.refs[slot], DropMeta(int(tensor.kind), tensor.layer, positions[slots == slot].tolist())
 _TABLE = msgspec.msgpack.Decoder(list[RequestEntry])
 _RAW_LIST = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _ENTRY = msgspec.msgpack.Decoder(RequestEntry)
@@ -213,8 +240,7 @@ def parse_header(buf: memoryview | bytes | np.ndarray, at: int = 0) -> Header:
      s0, s1, full_dim, payload_off) = rf.RECORD_HEADER.unpack_from(buf, at)
     if magic != rf.RECORD_MAGIC:
         raise Rejected(f"bad record magic {magic!r}")
-    rank = rf.ENGINE_RANK if rank16 == rf.ENGINE_RANK_U16 else rank16
-    return Header(total, kind, tensor, dtype, layer, rank, n, n_requests, key_len, meta_len, step, s0, s1, full_dim,
+    return Header(total, kind, tensor, dtype, layer, rf.rank_of_u16(rank16), n, n_requests, key_len, meta_len, step, s0, s1, full_dim,
                   payload_off, n_sections)
 
 
@@ -509,22 +535,18 @@ def one_row_each(n: int) -> list[tuple[int, Any]]:
 # -- building records in memory (tests, tools): the same decoder, so the same checks --
 
 
-def control_record(kind: rf.RecordKind, request_id: str, meta: Any, *, tap_key: str = "", rank: int = rf.ENGINE_RANK,
+def control_record(meta: ControlMeta, request_id: str, *, tap_key: str = "", rank: int = rf.ENGINE_RANK,
                    ring: str = "engine" + rf.RING_SUFFIX, epoch: int = 0, step: int = 0) -> ControlRecord:
     """A control record as the reader would return it for this meta (Rejected if it would reject it)."""
-    import msgpack
-
-    key = request_id.encode() + rf.KEY_SEPARATOR + tap_key.encode()
-    mb = msgpack.packb(meta, use_bin_type=True)
+    key = rf.control_key(request_id, tap_key)
+    kind, mb = encode_control(meta)
     *_, payload_off = rf.body_layout(len(key), len(mb), 0)
     total = rf.align_up(payload_off)
     buf = bytearray(total)
-    rank16 = rf.ENGINE_RANK_U16 if rank == rf.ENGINE_RANK else rank
-    rf.RECORD_HEADER.pack_into(buf, 0, rf.RECORD_MAGIC, total, int(kind), 0, 0, 0, -1, rank16, 0, 0, len(key), 0,
-                               len(mb), step, 0, 0, 0, payload_off)
+    rf.pack_record_header(buf, 0, total=total, kind=kind, rank=rank, payload_off=payload_off, key_len=len(key),
+                          meta_len=len(mb), step=step)
     buf[rf.RECORD_HEADER_SIZE : rf.RECORD_HEADER_SIZE + len(key)] = key
     buf[rf.RECORD_HEADER_SIZE + len(key) : rf.RECORD_HEADER_SIZE + len(key) + len(mb)] = mb
     (rec,) = decode_record(bytes(buf), ring=ring, epoch=epoch)
     assert isinstance(rec, ControlRecord)
     return rec
-

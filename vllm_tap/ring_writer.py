@@ -41,15 +41,15 @@ import os
 import struct
 import threading
 import time
-from typing import Any, Iterable
+from typing import Iterable
 
-import msgpack
 import numpy as np
 
 from vllm_tap import ring_format as rf
 from vllm_tap.doorbell import DoorbellPush, doorbell_path
 from vllm_tap.prefault import populate_write
 from vllm_tap.ring_records import RequestRef, RequestTable, TensorId
+from vllm_tap.ring_schema import ControlMeta, ShedMeta, drop_metas, encode_control
 from vllm_tap.ring_files import RingSpaceError, ensure_dir, free_bytes
 
 log = logging.getLogger(__name__)
@@ -325,7 +325,7 @@ class RingWriter:
             return None
         start = w
         if total > tail:
-            rf.PAD_HEADER.pack_into(self._data, w % cap, b"PAD\x00", tail)
+            rf.pack_pad(self._data, w % cap, tail)
             w += tail
         self._reserved = w + total
         return start, w
@@ -369,11 +369,11 @@ class RingWriter:
         payload_off: int, *, tensor: TensorId | None = None, dtype: int = 0, step: int = 0,
         n_requests: int = 0, slice_: tuple[int, int] = (0, 0), full_dim: int = 0,
     ) -> None:
-        rank16 = rf.ENGINE_RANK_U16 if self.rank == rf.ENGINE_RANK else self.rank
-        rf.RECORD_HEADER.pack_into(
-            self._data, at, rf.RECORD_MAGIC, total, kind, tensor.kind if tensor else 0, dtype, 0,
-            tensor.layer if tensor else -1, rank16, n_rows, n_requests, len(key), 0, len(meta), step,
-            slice_[0], slice_[1], full_dim, payload_off,
+        rf.pack_record_header(
+            self._data, at, total=total, kind=kind, rank=self.rank, payload_off=payload_off,
+            tensor=tensor.kind if tensor else 0, dtype=dtype, layer=tensor.layer if tensor else -1, n_rows=n_rows,
+            n_requests=n_requests, key_len=len(key), meta_len=len(meta), step=step, slice_start=slice_[0],
+            slice_stop=slice_[1], full_dim=full_dim,
         )
         # Byte strings go in through the mapping itself: a slice store, no numpy wrapper per call.
         base = rf.HEADER_SIZE + at + rf.RECORD_HEADER_SIZE
@@ -411,14 +411,14 @@ class RingWriter:
         self._publish()
         return True
 
-    def _enqueue(self, kind: rf.RecordKind, request_id: str, tap_key: str, meta: Any) -> bool:
+    def _enqueue(self, request_id: str, tap_key: str, meta: ControlMeta) -> bool:
         """Queue one control record behind the others; False (dropped and counted) when the
         backlog is at its bound. Callers hold the lock."""
         if len(self._backlog) >= self.max_backlog_records:
             self._bump("control_dropped")
             return False
-        key = request_id.encode() + rf.KEY_SEPARATOR + tap_key.encode()
-        mb = msgpack.packb(meta, use_bin_type=True)
+        key = rf.control_key(request_id, tap_key)
+        kind, mb = encode_control(meta)
         size = len(key) + len(mb)
         if self._backlog and self._backlog_bytes + size > self.max_backlog_bytes:
             self._bump("control_dropped")
@@ -433,26 +433,27 @@ class RingWriter:
         self._backlog_bytes += size
         return True
 
-    def write_control(self, kind: rf.RecordKind, request_id: str, meta: dict[str, Any], tap_key: str = "") -> bool:
-        """Queue a BEGIN/END/DROP record; it is written now if there is room, else on a later call.
-        False when it was dropped: the backlog was full (counted) or the ring abandoned."""
+    def write_control(self, request_id: str, meta: ControlMeta, tap_key: str = "") -> bool:
+        """Queue a control record (its kind is its meta's type: BeginMeta, EndMeta, DropMeta, ...); it
+        is written now if there is room, else on a later call. False when it was dropped: the backlog
+        was full (counted) or the ring abandoned."""
         with self._lock:
             if not self._usable():
                 self._lost["control"] += 1
                 return False
-            queued = self._enqueue(kind, request_id, tap_key, meta)
+            queued = self._enqueue(request_id, tap_key, meta)
             self._flush_backlog()
         self._wake()
         return queued
 
-    def write_control_if_room(self, kind: rf.RecordKind, request_id: str, meta: dict[str, Any], tap_key: str = "") -> bool:
+    def write_control_if_room(self, request_id: str, meta: ControlMeta, tap_key: str = "") -> bool:
         """Write a control record now or not at all (periodic records like LIVE, which the next
         one supersedes): never queued, and never ahead of records still queued."""
         with self._lock:
             if not self._usable() or not self._flush_backlog():
                 return False
-            key = request_id.encode() + rf.KEY_SEPARATOR + tap_key.encode()
-            ok = self._write_control_now(kind, key, msgpack.packb(meta, use_bin_type=True))
+            kind, mb = encode_control(meta)
+            ok = self._write_control_now(kind, rf.control_key(request_id, tap_key), mb)
             if ok:
                 self._publish()
         if ok:
@@ -467,12 +468,12 @@ class RingWriter:
                 return 0
             return self._reserved - self._read.get()
 
-    def write_shed(self, request_id: str, meta: dict[str, Any], tap_key: str = "") -> bool:
+    def write_shed(self, request_id: str, meta: ShedMeta, tap_key: str = "") -> bool:
         """A SHED record (queued like any control record) and the captures_shed count."""
         with self._lock:
             if self._usable():
                 self._bump("captures_shed")
-        return self.write_control(rf.RecordKind.SHED, request_id, meta, tap_key=tap_key)
+        return self.write_control(request_id, meta, tap_key=tap_key)
 
     def flush(self) -> bool:
         """Retry queued control records; True when none are left waiting."""
@@ -641,12 +642,13 @@ class RingWriter:
             nbytes.append(n * width * itemsize)
         _, slots_off, pos_off, ids_off, payload_off = rf.body_layout(0, len(meta), n, k)
         offsets, total = rf.section_offsets(payload_off, nbytes)
-        rank16 = rf.ENGINE_RANK_U16 if self.rank == rf.ENGINE_RANK else self.rank
         tensor, dtype, width, sl, full_dim = sections[0][:5]
-        head = rf.RECORD_HEADER.pack(
-            rf.RECORD_MAGIC, total, rf.RecordKind.DATA, tensor.kind, dtype, 0, tensor.layer, rank16, n, n_requests,
-            0, k if k > 1 else 0, len(meta), 0, sl[0], sl[1], full_dim, payload_off)
-        prefix = head.ljust(rf.RECORD_HEADER_SIZE, b"\0") + meta
+        head = bytearray(rf.RECORD_HEADER_SIZE)
+        rf.pack_record_header(
+            head, 0, total=total, kind=rf.RecordKind.DATA, rank=self.rank, payload_off=payload_off, tensor=tensor.kind,
+            dtype=dtype, layer=tensor.layer, n_rows=n, n_requests=n_requests, n_sections=k if k > 1 else 0,
+            meta_len=len(meta), slice_start=sl[0], slice_stop=sl[1], full_dim=full_dim)
+        prefix = bytes(head) + meta
         prefix = prefix.ljust(slots_off, b"\0")
         sec_table = b"".join(rf.SECTION.pack(sec[0].kind, sec[1], sec[0].layer, 0, *sec[3], sec[4], o)
                              for sec, o in zip(sections, offsets)) if k > 1 else b""
@@ -670,12 +672,8 @@ class RingWriter:
     def _drop(self, table: RequestTable, slots: np.ndarray, positions: np.ndarray, tensor: TensorId, total: int) -> None:
         self._bump("records_dropped")
         self._bump("bytes_dropped", total)
-        slots = np.asarray(slots)
-        positions = np.asarray(positions)
-        for slot in np.unique(slots).tolist():
-            ref = table.refs[slot]
-            self._enqueue(rf.RecordKind.DROP, ref.request_id, ref.tap_key,
-                          {"tensor": int(tensor.kind), "layer": tensor.layer, "positions": positions[slots == slot].tolist()})
+        for ref, meta in drop_metas(table, slots, positions, tensor):
+            self._enqueue(ref.request_id, ref.tap_key, meta)
         self._stats["control_backlog"].set(len(self._backlog))
 
     def commit(self, res: Reservation) -> None:

@@ -13,6 +13,7 @@ from vllm_tap.ring_records import TensorId
 from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_writer import RingWriter
+from vllm_tap.ring_schema import EndMeta
 
 
 def test_a_commit_rings_the_doorbell_only_while_the_reader_waits(shm_dir):
@@ -27,7 +28,7 @@ def test_a_commit_rings_the_doorbell_only_while_the_reader_waits(shm_dir):
     try:
         assert bell.drain() == 0
         w.write("r", TensorId(rf.TensorKind.LOGITS), [0], [1], data)
-        w.write_control(rf.RecordKind.END, "r", {"reason": "stop"})
+        w.write_control("r", EndMeta(reason="stop"))
         assert bell.drain() == 0 and w._doorbell.sent == 0, "the reader is awake: nobody rings"
         assert reader.has_new()
         reader.poll()
@@ -39,7 +40,7 @@ def test_a_commit_rings_the_doorbell_only_while_the_reader_waits(shm_dir):
         w.write("r", TensorId(rf.TensorKind.LOGITS), [2], [1], data)
         assert bell.drain() == 0, "one ring per sleep"
         reader.set_waiting(True)
-        w.write_control(rf.RecordKind.END, "r", {"reason": "stop"})
+        w.write_control("r", EndMeta(reason="stop"))
         assert bell.drain() == 1
         reader.set_waiting(True)
         reader.set_waiting(False)  # woke for another reason: writers stop ringing

@@ -19,6 +19,7 @@ from vllm_tap.ring_files import RingFormatError, ring_path
 from vllm_tap.ring_reader import RingReader, read_info
 from vllm_tap.ring_writer import RingWriter
 from vllm_tap.spec import CaptureSpec
+from vllm_tap.ring_schema import BeginMeta, spec_field
 
 LOGITS = TensorId(rf.TensorKind.LOGITS)
 HID3 = TensorId(rf.TensorKind.HIDDEN, 3)
@@ -36,7 +37,7 @@ def test_roundtrip_fields_and_bytes(shm_dir):
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     r = RingReader(path)
     spec = CaptureSpec(key="k").to_meta()
-    w.write_control(rf.RecordKind.BEGIN, "r1", {"spec": spec, "num_prompt_tokens": 3}, tap_key="k")
+    w.write_control("r1", BeginMeta(spec=spec_field(CaptureSpec(key="k")), num_prompt_tokens=3), tap_key="k")
     ok, data = _write(w, "r1", [5, 6], 10, tensor=HID3, step=9, tap_key="k", slice_=(10, 20), full_dim=40,
                       num_prompt_tokens=3, expected_ranks=4, rank_parts=2)
     assert ok

@@ -270,3 +270,40 @@ def test_a_write_cursor_no_writer_makes_is_skipped_not_looped_on(shm_dir, extra)
     assert r.poll() == []
     r.close()
     f.close()
+
+
+def test_control_records_are_written_from_the_structs_they_are_decoded_with(shm_dir):
+    """What a writer gives write_control (a meta Struct) is what the reader hands back, kind and all;
+    fields at their default travel as nothing and come back as that default."""
+    from vllm_tap.ring_records import RequestRef, RequestTable, TensorId
+    from vllm_tap.ring_schema import ShedMeta, drop_metas, spec_field
+    from vllm_tap.ring_writer import RingWriter
+
+    spec = CaptureSpec(key="k")
+    metas = [
+        BeginMeta(spec=spec_field(spec), num_prompt_tokens=3, prompt_token_ids=[1, 2, 3], n=2, model="m",
+                  async_scheduling=False, source="client"),
+        EndMeta(reason="stop", num_prompt_tokens=3, num_output_tokens=2, output_token_ids=[4, 5], end_position=4,
+                spec=spec_field(spec), source="client"),
+        EndMeta(),
+        LiveMeta(["a", "b"]),
+        ShedMeta(num_prompt_tokens=3, spec=spec_field(spec), source="policy", unread_bytes=7, capacity=9),
+    ]
+    table = RequestTable([RequestRef("x", "t"), RequestRef("y")])
+    drops = list(drop_metas(table, np.array([1, 0, 1]), np.array([7, 8, 9]), TensorId.of(rf.TensorKind.HIDDEN, 2)))
+    assert [(ref.request_id, m) for ref, m in drops] == [("x", DropMeta(int(rf.TensorKind.HIDDEN), 2, [8])),
+                                                          ("y", DropMeta(int(rf.TensorKind.HIDDEN), 2, [7, 9]))]
+    w = RingWriter(os.path.join(shm_dir, "engine.ring"), 1 << 16, rank=rf.ENGINE_RANK)
+    r = RingReader(os.path.join(shm_dir, "engine.ring"))
+    for m in metas:
+        assert w.write_control("r", m, tap_key="k")
+    for ref, m in drops:
+        assert w.write_control(ref.request_id, m, tap_key=ref.tap_key)
+    got = r.poll()
+    kinds = [rf.RecordKind.BEGIN, rf.RecordKind.END, rf.RecordKind.END, rf.RecordKind.LIVE, rf.RecordKind.SHED,
+             rf.RecordKind.DROP, rf.RecordKind.DROP]
+    assert [g.kind for g in got] == kinds
+    assert [g.control for g in got] == metas + [m for _, m in drops]
+    assert got[0].spec == spec and got[-2].request_id == "x" and got[-2].tap_key == "t"
+    w.close()
+    r.close()

@@ -18,6 +18,7 @@ from vllm_tap.ring_records import RequestRef, RequestTable, TensorId
 from vllm_tap.ring_files import RingSpaceError, ring_path
 from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_writer import RingWriter
+from vllm_tap.ring_schema import EndMeta
 
 LOGITS = TensorId(rf.TensorKind.LOGITS)
 
@@ -91,7 +92,7 @@ def _write_through_truncation(path: str, q) -> None:
             res.payload[:] = data.view(np.uint8).reshape(-1)
             w.commit(res)
             ok += 1
-        w.write_control(rf.RecordKind.END, "req", {"reason": "stop"})
+        w.write_control("req", EndMeta(reason="stop"))
         if k < 50:
             r.poll()
     q.put((ok, w.lost()))
@@ -115,7 +116,7 @@ def test_control_records_a_reader_never_takes_are_bounded_and_counted(shm_dir):
     for step in range(2000):  # nobody reads: the ring fills, then every record is dropped
         rows = np.ascontiguousarray([slots, np.full(32, step), np.zeros(32)], dtype=np.int32)
         w.reserve_rows(table, rows, LOGITS, dtype=rf.DType.FLOAT32, width=512, step=step)
-        w.write_control(rf.RecordKind.END, f"r{step}", {"reason": "length", "output_token_ids": list(range(64))})
+        w.write_control(f"r{step}", EndMeta(reason="length", output_token_ids=list(range(64))))
     stats = w.stats()
     assert w.backlog_records() <= 1000 and w.backlog_bytes() <= 1 << 20
     assert stats["control_backlog"] == w.backlog_records()

@@ -17,7 +17,7 @@ from vllm_tap.daemon.events import (
 )
 from vllm_tap.daemon.reassembly import Reassembler
 from vllm_tap.ring_records import ControlRecord, DataRecord, Slice, TensorId
-from vllm_tap.ring_schema import control_record
+from vllm_tap.ring_schema import BeginMeta, DropMeta, EndMeta, LiveMeta, ShedMeta, control_record, spec_field
 from vllm_tap.spec import CaptureSpec
 
 from slices import record_of
@@ -52,28 +52,26 @@ def data(step, positions, *, tensor=LOGITS, rank=0, expected=1, parts=1, s=None,
 
 
 def begin(rid=RID, n_prompt=4, spec=None) -> ControlRecord:
-    return control_record(rf.RecordKind.BEGIN, rid, {
-        "spec": (spec or CaptureSpec()).to_meta(), "num_prompt_tokens": n_prompt,
-        "prompt_token_ids": list(range(n_prompt)), "n": 1, "model": "m"})
+    return control_record(BeginMeta(spec=spec_field(spec or CaptureSpec()), num_prompt_tokens=n_prompt,
+                                    prompt_token_ids=list(range(n_prompt)), model="m"), rid)
 
 
 def end(end_position, rid=RID, n_prompt=4, reason="stop", spec=None) -> ControlRecord:
     n_out = min(max(end_position - n_prompt + 1, 0), 64)  # the ids are not what these tests are about
-    meta = {"reason": reason, "num_prompt_tokens": n_prompt, "num_output_tokens": n_out,
-            "output_token_ids": [7] * n_out, "end_position": end_position}
+    meta = EndMeta(reason=reason, num_prompt_tokens=n_prompt, num_output_tokens=n_out,
+                   output_token_ids=[7] * n_out, end_position=end_position)
     if spec is not None:
-        meta.update(spec=spec.to_meta(), source=spec.source)
-    return control_record(rf.RecordKind.END, rid, meta)
+        meta.spec, meta.source = spec_field(spec), spec.source
+    return control_record(meta, rid)
 
 
 def drop(positions, rid=RID, rank=0) -> ControlRecord:
-    return control_record(rf.RecordKind.DROP, rid, {"tensor": int(rf.TensorKind.LOGITS), "layer": -1,
-                                                   "positions": list(positions)},
+    return control_record(DropMeta(int(rf.TensorKind.LOGITS), -1, list(positions)), rid,
                           rank=rank, ring=f"rank-{rank:05d}.ring")
 
 
 def live(*rids) -> ControlRecord:
-    return control_record(rf.RecordKind.LIVE, "", {"requests": list(rids)})
+    return control_record(LiveMeta(list(rids)), "")
 
 
 def feed(r: Reassembler, *records, now=0.0) -> list:
@@ -494,7 +492,7 @@ def test_a_record_after_an_absence_or_a_listing_keeps_the_capture():
 def test_live_records_count_only_from_the_engine_ring():
     r = Reassembler(end_grace_s=1.0)
     feed(r, begin(), data(0, [0, 1]), now=0.0)
-    bogus = control_record(rf.RecordKind.LIVE, "", {"requests": []}, ring="rank-00000.ring", rank=0)
+    bogus = control_record(LiveMeta([]), "", ring="rank-00000.ring", rank=0)
     feed(r, bogus, now=1.0)
     feed(r, bogus, now=2.0)
     assert r.tick(20.0) == [] and r.in_flight() == 1
@@ -580,8 +578,7 @@ def test_prompt_positions_are_never_held_back():
 
 def test_nothing_is_held_back_when_the_engine_does_not_schedule_asynchronously():
     r = Reassembler()
-    b = control_record(rf.RecordKind.BEGIN, RID, {"spec": CaptureSpec().to_meta(), "num_prompt_tokens": 2,
-                                                   "async_scheduling": False})
+    b = control_record(BeginMeta(spec=spec_field(CaptureSpec()), num_prompt_tokens=2, async_scheduling=False), RID)
     ev = feed(r, b, data(0, [0, 1]), data(1, [2]))
     assert delivered(ev) == [0, 1, 2]
     ev = feed(r, data(2, [3]))
@@ -593,9 +590,8 @@ def test_nothing_is_held_back_when_the_engine_does_not_schedule_asynchronously()
 
 def shed(rid=RID, rank=0, n_prompt=4, spec=None) -> ControlRecord:
     s = spec or CaptureSpec()
-    return control_record(rf.RecordKind.SHED, rid, {"reason": "overloaded", "num_prompt_tokens": n_prompt,
-                                                   "spec": s.to_meta(), "source": s.source},
-                          rank=rank, ring=f"rank-{rank:05d}.ring")
+    return control_record(ShedMeta(reason="overloaded", num_prompt_tokens=n_prompt, spec=spec_field(s),
+                                   source=s.source), rid, rank=rank, ring=f"rank-{rank:05d}.ring")
 
 
 def _one_overloaded_gap(ev, stop: int) -> None:
@@ -774,8 +770,8 @@ def test_gap_positions_are_counted_by_reason_with_free_text_kept_out_of_the_name
     feed(r, data(1, [4]), end(5))
     r2 = plain()
     feed(r2, begin())
-    feed(r2, control_record(rf.RecordKind.SHED, RID, {"reason": "x" * 40, "num_prompt_tokens": 4,
-                                                      "spec": CaptureSpec().to_meta()}, rank=0, ring=R0), end(5))
+    feed(r2, control_record(ShedMeta(reason="x" * 40, num_prompt_tokens=4, spec=spec_field(CaptureSpec())), RID,
+                            rank=0, ring=R0), end(5))
     assert r.gap_positions == {NOT_CAPTURED: 2, OVER_BUDGET: 1}
     assert r2.gap_positions == {"other": 5}
 

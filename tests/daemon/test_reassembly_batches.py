@@ -21,7 +21,7 @@ from vllm_tap.daemon.reassembly import ENGINE_SOURCE, Reassembler
 from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_records import DataRecord, RequestRef, RequestTable, TensorId, per_tensor
-from vllm_tap.ring_schema import control_record
+from vllm_tap.ring_schema import BeginMeta, DropMeta, EndMeta, control_record, spec_field
 from vllm_tap.ring_writer import RingWriter
 from vllm_tap.spec import CaptureSpec
 
@@ -37,23 +37,19 @@ def _sections(vocab: int, hidden: int) -> tuple:
 
 
 def _begin(rid: str, async_scheduling: bool | None) -> object:
-    meta = {"spec": CaptureSpec().to_meta(), "num_prompt_tokens": N_PROMPT, "prompt_token_ids": list(range(N_PROMPT)),
-            "n": 1, "model": "m"}
-    if async_scheduling is not None:
-        meta["async_scheduling"] = async_scheduling
-    return control_record(rf.RecordKind.BEGIN, rid, meta)
+    return control_record(BeginMeta(spec=spec_field(CaptureSpec()), num_prompt_tokens=N_PROMPT,
+                                    prompt_token_ids=list(range(N_PROMPT)), model="m",
+                                    async_scheduling=async_scheduling), rid)
 
 
 def _end(rid: str, end_position: int) -> object:
     n_out = max(end_position - N_PROMPT + 1, 0)
-    return control_record(rf.RecordKind.END, rid, {"reason": "stop", "num_prompt_tokens": N_PROMPT,
-                                                   "num_output_tokens": n_out, "output_token_ids": [7] * n_out,
-                                                   "end_position": end_position})
+    return control_record(EndMeta(reason="stop", num_prompt_tokens=N_PROMPT, num_output_tokens=n_out,
+                                  output_token_ids=[7] * n_out, end_position=end_position), rid)
 
 
 def _drop(rid: str, positions: list[int]) -> object:
-    return control_record(rf.RecordKind.DROP, rid, {"tensor": int(rf.TensorKind.LOGITS), "layer": -1,
-                                                   "positions": positions}, rank=0, ring="rank-00000.ring")
+    return control_record(DropMeta(int(rf.TensorKind.LOGITS), -1, positions), rid, rank=0, ring="rank-00000.ring")
 
 
 class _Blocks:

@@ -41,6 +41,7 @@ from vllm_tap.ring_records import TensorId
 from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_reader import read_info
 from vllm_tap.ring_writer import RingWriter
+from vllm_tap.ring_schema import BeginMeta, EndMeta
 
 REPO = Path(__file__).resolve().parent.parent.parent
 SYSTEMD = REPO / "systemd"
@@ -286,11 +287,11 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 def _write_request(writer: RingWriter, rid: str, steps: int = 2) -> None:
-    writer.write_control(rf.RecordKind.BEGIN, rid, {"num_prompt_tokens": 1})
+    writer.write_control(rid, BeginMeta(num_prompt_tokens=1))
     for step in range(steps):
         data = np.arange(8, dtype=np.float32).reshape(1, 8)
         assert writer.write(rid, TensorId(rf.TensorKind.LOGITS), [step], [step], data, step=step)
-    writer.write_control(rf.RecordKind.END, rid, {"reason": "stop"})
+    writer.write_control(rid, EndMeta(reason="stop"))
 
 
 class _Systemd:

@@ -31,6 +31,7 @@ from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_reader import RingReader
 from vllm_tap.ring_writer import RingWriter
 from vllm_tap.spec import CaptureSpec, LogitsMode, PositionsMode
+from vllm_tap.ring_schema import BeginMeta, EndMeta, spec_field
 
 HIDDEN, VOCAB, LAYERS = 32, 1024, (1, 3)
 PROMPT, GEN, CONCURRENCY = 8, 12, 64
@@ -65,19 +66,19 @@ class _Load:
         gen_len = GEN + (self.n * 7) % 13  # requests end at different steps, as they do under load
         self.n += 1
         self.core.learn(rid, {SPEC_EXTRA_ARG: spec.to_meta()}, PROMPT)
-        self.engine.write_control(rf.RecordKind.BEGIN, rid, {
-            "spec": spec.to_meta(), "source": spec.source, "num_prompt_tokens": PROMPT,
-            "prompt_token_ids": list(range(PROMPT)), "n": 1, "model": "m"})
+        self.engine.write_control(rid, BeginMeta(
+            spec=spec_field(spec), source=spec.source, num_prompt_tokens=PROMPT,
+            prompt_token_ids=list(range(PROMPT)), model="m"))
         self.running.append({"id": rid, "spec": spec, "done": 0, "gen": gen_len})
         self.started[rid] = self.step
         self.specs[rid] = spec
 
     def _end(self, r: dict) -> None:
         self.core.forget(r["id"])
-        self.engine.write_control(rf.RecordKind.END, r["id"], {
-            "reason": "length", "num_prompt_tokens": PROMPT, "num_output_tokens": r["gen"],
-            "output_token_ids": list(range(r["gen"])), "end_position": PROMPT + r["gen"] - 1,
-            "spec": r["spec"].to_meta(), "source": r["spec"].source})
+        self.engine.write_control(r["id"], EndMeta(
+            reason="length", num_prompt_tokens=PROMPT, num_output_tokens=r["gen"],
+            output_token_ids=list(range(r["gen"])), end_position=PROMPT + r["gen"] - 1,
+            spec=spec_field(r["spec"]), source=r["spec"].source))
 
     def run_step(self, admit: bool) -> None:
         while admit and len(self.running) < CONCURRENCY:

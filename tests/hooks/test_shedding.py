@@ -27,6 +27,7 @@ from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
 from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_writer import RingWriter
 from vllm_tap.spec import CaptureSpec, LogitsMode
+from vllm_tap.ring_schema import BeginMeta, EndMeta, spec_field
 from waiting import wait_until
 
 HIDDEN, VOCAB, LAYERS = 32, 1024, (1, 3)
@@ -69,9 +70,9 @@ class _Worker:
     def begin(self, rid: str, gen_len: int) -> None:
         for core in self.cores:
             core.learn(rid, {SPEC_EXTRA_ARG: SPEC.to_meta()}, PROMPT)
-        self.engine.write_control(rf.RecordKind.BEGIN, rid, {
-            "spec": SPEC.to_meta(), "source": SPEC.source, "num_prompt_tokens": PROMPT,
-            "prompt_token_ids": list(range(PROMPT)), "n": 1, "model": "m"})
+        self.engine.write_control(rid, BeginMeta(
+            spec=spec_field(SPEC), source=SPEC.source, num_prompt_tokens=PROMPT,
+            prompt_token_ids=list(range(PROMPT)), model="m"))
         self.running.append({"id": rid, "done": 0, "gen": gen_len})
 
     def step(self) -> None:
@@ -96,10 +97,10 @@ class _Worker:
         for r in [r for r in self.running if r["done"] >= PROMPT + r["gen"] - 1]:
             for core in self.cores:
                 core.forget(r["id"])
-            self.engine.write_control(rf.RecordKind.END, r["id"], {
-                "reason": "length", "num_prompt_tokens": PROMPT, "num_output_tokens": r["gen"],
-                "output_token_ids": list(range(r["gen"])), "end_position": PROMPT + r["gen"] - 1,
-                "spec": SPEC.to_meta(), "source": SPEC.source})
+            self.engine.write_control(r["id"], EndMeta(
+                reason="length", num_prompt_tokens=PROMPT, num_output_tokens=r["gen"],
+                output_token_ids=list(range(r["gen"])), end_position=PROMPT + r["gen"] - 1,
+                spec=spec_field(SPEC), source=SPEC.source))
             self.running.remove(r)
 
     def close(self) -> None:

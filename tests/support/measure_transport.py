@@ -33,6 +33,7 @@ from vllm_tap.client import Chunk, Client, DaemonUnavailable  # noqa: E402
 from vllm_tap.ring_records import TensorId  # noqa: E402
 from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_reader import RingReader
+from vllm_tap.ring_schema import BeginMeta, EndMeta, spec_field  # noqa: E402
 from vllm_tap.ring_writer import RingWriter  # noqa: E402
 
 LOGITS = TensorId(rf.TensorKind.LOGITS)
@@ -80,15 +81,13 @@ def _write_request(shm: str, n: int, block: bool, pace_s: float = 0.0, width: in
     if pace_s:
         time.sleep(0.5)  # let the daemon discover the new rings (it rescans every 0.25 s)
     # A writer without a scheduler never computes past an end: say so, nothing is held back.
-    eng.write_control(rf.RecordKind.BEGIN, "bench", {"spec": CaptureSpec().to_meta(), "num_prompt_tokens": 1, "n": 1,
-                                                     "async_scheduling": False})
+    eng.write_control("bench", BeginMeta(spec=spec_field(CaptureSpec()), num_prompt_tokens=1, async_scheduling=False))
     for k in range(n):
         data.view(np.float64)[0, 0] = time.time()
         assert w.write("bench", LOGITS, [k], [k], data, step=k, num_prompt_tokens=1)
         if pace_s:
             time.sleep(pace_s)
-    eng.write_control(rf.RecordKind.END, "bench", {"reason": "length", "num_prompt_tokens": 1, "num_output_tokens": n,
-                                                    "output_token_ids": [], "end_position": n})
+    eng.write_control("bench", EndMeta(reason="length", num_prompt_tokens=1, num_output_tokens=n, end_position=n))
     w.close()
     eng.close()
 

@@ -28,14 +28,13 @@ def pack(obj: Any) -> bytes:
 def control(kind: rf.RecordKind, request_id: str | bytes, meta: Any, tap_key: str = "", *,
             raw_meta: bytes | None = None, rank: int = rf.ENGINE_RANK) -> bytes:
     rid = request_id.encode() if isinstance(request_id, str) else request_id
-    key = rid + rf.KEY_SEPARATOR + tap_key.encode()
+    key = rid + rf.control_key("", tap_key)
     mb = raw_meta if raw_meta is not None else pack(meta)
     *_, payload_off = rf.body_layout(len(key), len(mb), 0)
     total = rf.align_up(payload_off)
     buf = bytearray(total)
-    rank16 = rf.ENGINE_RANK_U16 if rank == rf.ENGINE_RANK else rank
-    rf.RECORD_HEADER.pack_into(buf, 0, rf.RECORD_MAGIC, total, int(kind), 0, 0, 0, -1, rank16, 0, 0, len(key), 0,
-                               len(mb), 0, 0, 0, 0, payload_off)
+    rf.pack_record_header(buf, 0, total=total, kind=int(kind), rank=rank, payload_off=payload_off, key_len=len(key),
+                          meta_len=len(mb))
     buf[rf.RECORD_HEADER_SIZE : rf.RECORD_HEADER_SIZE + len(key)] = key
     buf[rf.RECORD_HEADER_SIZE + len(key) : rf.RECORD_HEADER_SIZE + len(key) + len(mb)] = mb
     return bytes(buf)
@@ -60,9 +59,10 @@ def data(table: list | bytes, slots, positions, token_ids, payload: np.ndarray, 
     total = rf.align_up(payload_off + payload.nbytes)
     buf = bytearray(total)
     nreq = n_requests if n_requests is not None else len(table)  # give n_requests with raw table bytes
-    rf.RECORD_HEADER.pack_into(buf, 0, rf.RECORD_MAGIC, total, int(rf.RecordKind.DATA), int(tensor), int(dtype), 0,
-                               layer, rank, n, nreq, 0, 0, len(tb), step, s0, s1,
-                               full_dim if full_dim is not None else s1, payload_off)
+    rf.pack_record_header(buf, 0, total=total, kind=int(rf.RecordKind.DATA), rank=rank, payload_off=payload_off,
+                          tensor=int(tensor), dtype=int(dtype), layer=layer, n_rows=n, n_requests=nreq,
+                          meta_len=len(tb), step=step, slice_start=s0, slice_stop=s1,
+                          full_dim=full_dim if full_dim is not None else s1)
     buf[rf.RECORD_HEADER_SIZE : rf.RECORD_HEADER_SIZE + len(tb)] = tb
     buf[slots_off:pos_off] = np.asarray(slots, "<i4").tobytes()
     buf[pos_off:ids_off] = np.asarray(positions, "<i4").tobytes()

@@ -28,6 +28,7 @@ import numpy as np
 from vllm_tap import ring_format as rf
 from vllm_tap.ring_records import RequestRef, RequestTable, TensorId
 from vllm_tap.ring_files import ring_path
+from vllm_tap.ring_schema import BeginMeta, EndMeta, LiveMeta, spec_field
 from vllm_tap.ring_writer import RingWriter
 from vllm_tap.spec import CaptureSpec, LogitsMode
 
@@ -218,9 +219,9 @@ class SyntheticEngine:
     def begin(self, which: list[int] | None = None) -> None:
         sc = self.sc
         for i in which if which is not None else range(sc.n_requests):
-            meta = {"spec": sc.spec().to_meta(), "num_prompt_tokens": sc.prompt_len,
-                    "prompt_token_ids": [token_id(sc, i, p) for p in range(sc.prompt_len)], "n": 1, "model": sc.model}
-            self.engine.write_control(rf.RecordKind.BEGIN, sc.request_id(i), meta, tap_key=sc.key(i))
+            meta = BeginMeta(spec=spec_field(sc.spec()), num_prompt_tokens=sc.prompt_len,
+                             prompt_token_ids=[token_id(sc, i, p) for p in range(sc.prompt_len)], model=sc.model)
+            self.engine.write_control(sc.request_id(i), meta, tap_key=sc.key(i))
 
     def run_step(self) -> bool:
         """One engine step over every unfinished request; False once all have ended."""
@@ -277,16 +278,16 @@ class SyntheticEngine:
 
     def end(self, i: int) -> None:
         sc = self.sc
-        self.engine.write_control(rf.RecordKind.END, sc.request_id(i), {
-            "reason": "length", "num_prompt_tokens": sc.prompt_len, "num_output_tokens": sc.gen_len,
-            "output_token_ids": output_token_ids(sc, i), "end_position": sc.end_position,
-            "spec": sc.spec().to_meta(), "source": sc.spec().source,
-        }, tap_key=sc.key(i))
+        self.engine.write_control(sc.request_id(i), EndMeta(
+            reason="length", num_prompt_tokens=sc.prompt_len, num_output_tokens=sc.gen_len,
+            output_token_ids=output_token_ids(sc, i), end_position=sc.end_position,
+            spec=spec_field(sc.spec()), source=sc.spec().source,
+        ), tap_key=sc.key(i))
 
     def live(self, which: list[int] | None = None) -> None:
         """A LIVE record: the requests still capturing (default: those not ended)."""
         idx = which if which is not None else [r.i for r in self.reqs if not r.ended]
-        self.engine.write_control(rf.RecordKind.LIVE, "", {"requests": [self.sc.request_id(i) for i in idx]})
+        self.engine.write_control("", LiveMeta([self.sc.request_id(i) for i in idx]))
 
     def start_live(self, every_s: float = 1.0) -> None:
         """LIVE records from a timer, whatever the steps do (idle included), as the engine-core hook
@@ -296,8 +297,7 @@ class SyntheticEngine:
         def tick() -> None:
             while not self._live_stop.wait(every_s):
                 idx = [r.i for r in self.reqs if not r.ended]
-                self.engine.write_control_if_room(rf.RecordKind.LIVE, "", {
-                    "requests": [self.sc.request_id(i) for i in idx]})
+                self.engine.write_control_if_room("", LiveMeta([self.sc.request_id(i) for i in idx]))
 
         self._live_thread = threading.Thread(target=tick, daemon=True)
         self._live_thread.start()
@@ -357,9 +357,9 @@ def write_decode_backlog(shm_dir: str, daemon, rids: list[str], spec: dict, prom
     w = RingWriter(ring_path(shm_dir, "default", 0), ring_bytes)
     try:
         for i, rid in enumerate(rids):
-            eng.write_control(rf.RecordKind.BEGIN, rid, {
-                "spec": spec, "source": "client", "num_prompt_tokens": prompt, "prompt_token_ids": list(range(prompt)),
-                "n": 1, "model": "m", **(begin_meta(i) if begin_meta else {})})
+            eng.write_control(rid, BeginMeta(
+                spec=spec_field(CaptureSpec.from_meta(spec)), source="client", num_prompt_tokens=prompt,
+                prompt_token_ids=list(range(prompt)), model="m", **(begin_meta(i) if begin_meta else {})))
         assert eng.flush()
 
         def ready() -> bool:  # the BEGINs read and the worker ring found: what follows is a backlog on it
@@ -380,9 +380,9 @@ def write_decode_backlog(shm_dir: str, daemon, rids: list[str], spec: dict, prom
                     buf[at : at + nb] = np.stack([fill(i, pos, k) for i in range(n)]).reshape(-1).view(np.uint8)
                 w.commit(res)
             for rid in rids:
-                eng.write_control(rf.RecordKind.END, rid, {
-                    "reason": "length", "num_prompt_tokens": prompt, "num_output_tokens": steps + 1,
-                    "output_token_ids": [], "end_position": prompt - 1 + steps, "spec": spec, "source": "client"})
+                eng.write_control(rid, EndMeta(
+                    reason="length", num_prompt_tokens=prompt, num_output_tokens=steps + 1,
+                    end_position=prompt - 1 + steps, spec=spec_field(CaptureSpec.from_meta(spec)), source="client"))
             assert eng.flush()
         finally:
             os.kill(daemon.proc.pid, signal.SIGCONT)

@@ -129,6 +129,7 @@ def _writer_main(shm: str, shape: str, p_dict: dict, prefix: str, results: Any, 
     from vllm_tap import ring_format as rf
     from vllm_tap.ring_records import RequestRef, RequestTable
     from vllm_tap.ring_files import ring_path
+    from vllm_tap.ring_schema import BeginMeta, EndMeta, spec_field
     from vllm_tap.ring_writer import RingWriter
     from vllm_tap.spec import CaptureSpec, LogitsMode, PositionsMode
 
@@ -136,7 +137,7 @@ def _writer_main(shm: str, shape: str, p_dict: dict, prefix: str, results: Any, 
     n, prompt, wave = p.requests, 16, p.wave[_base(shape)]
     spec = (CaptureSpec(layers=(), positions=PositionsMode.OUTPUT) if _base(shape) == "logits" else
             CaptureSpec(logits=LogitsMode.TOPK, topk=p.topk, layers=(), positions=PositionsMode.OUTPUT))
-    meta = spec.to_meta()
+    meta = spec_field(spec)
     sections = _sections(shape, p)
     eng = RingWriter(ring_path(shm, INSTANCE, rf.ENGINE_RANK), 16 * MiB, rank=rf.ENGINE_RANK)
     w = RingWriter(ring_path(shm, INSTANCE, 0), p.ring_bytes, block_timeout=60.0)
@@ -154,9 +155,9 @@ def _writer_main(shm: str, shape: str, p_dict: dict, prefix: str, results: Any, 
     stamps = []
     nbytes = sum(x.nbytes for x in payloads)
 
-    def control(kind, rids, body):
+    def control(rids, meta):
         for rid in rids:
-            eng.write_control(kind, rid, body)
+            eng.write_control(rid, meta)
         while not eng.flush():
             time.sleep(0.0005)
 
@@ -165,9 +166,9 @@ def _writer_main(shm: str, shape: str, p_dict: dict, prefix: str, results: Any, 
             j = k % wave
             if j == 0:
                 rids = [f"{prefix}-{k // wave}-{i}" for i in range(n)]
-                control(rf.RecordKind.BEGIN, rids, {"spec": meta, "source": "client", "num_prompt_tokens": prompt,
-                                                    "prompt_token_ids": list(range(3, 3 + prompt)), "n": 1,
-                                                    "model": "bench", "async_scheduling": False})
+                control(rids, BeginMeta(spec=meta, source="client", num_prompt_tokens=prompt,
+                                        prompt_token_ids=list(range(3, 3 + prompt)), n=1, model="bench",
+                                        async_scheduling=False))
                 table = RequestTable([RequestRef(rid, "", prompt, 1, len(sections), prompt - 1, 0, "client")
                                       for rid in rids])
             rows[1] = prompt - 1 + j
@@ -192,9 +193,8 @@ def _writer_main(shm: str, shape: str, p_dict: dict, prefix: str, results: Any, 
             if k >= warm:
                 stamps.append(time.perf_counter())
             if j == wave - 1 or k == warm + steps - 1:
-                control(rf.RecordKind.END, rids, {"reason": "length", "num_prompt_tokens": prompt,
-                                                  "num_output_tokens": j + 2, "output_token_ids": [],
-                                                  "end_position": prompt + j, "spec": meta, "source": "client"})
+                control(rids, EndMeta(reason="length", num_prompt_tokens=prompt, num_output_tokens=j + 2,
+                                      end_position=prompt + j, spec=meta, source="client"))
         results.put({"steps": steps, "t_first": stamps[0], "t_last": stamps[-1], "bytes": nbytes * steps,
                      "dropped": w.stats()["records_dropped"], "sections": sectioned, "ring": w.path})
         close.get(timeout=900)  # alive until the daemon has read it all (a gone writer ends its captures)

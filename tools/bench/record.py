@@ -227,6 +227,7 @@ def _e2e_writer(shm: str, n_caps: int, rows: int, width: int, start: Any, done: 
     from vllm_tap import ring_format as rf
     from vllm_tap.ring_records import TensorId
     from vllm_tap.ring_files import ring_path
+    from vllm_tap.ring_schema import BeginMeta, EndMeta, spec_field
     from vllm_tap.ring_writer import RingWriter
     from vllm_tap.spec import CaptureSpec
 
@@ -235,7 +236,7 @@ def _e2e_writer(shm: str, n_caps: int, rows: int, width: int, start: Any, done: 
     w = RingWriter(ring_path(shm, "bench", 0), 256 << 20, block_timeout=120.0)
     x = np.random.default_rng(2).standard_normal((rows, width), dtype=np.float32)
     x = ((x.view(np.uint32) >> 16) << 16).view(np.float32)  # bf16 values, as most models compute
-    spec = CaptureSpec().to_meta()
+    spec = spec_field(CaptureSpec())
     start.wait()
     t0 = time.perf_counter()
     for c in range(n_caps):
@@ -244,15 +245,14 @@ def _e2e_writer(shm: str, n_caps: int, rows: int, width: int, start: Any, done: 
             if ahead > 0:
                 time.sleep(ahead)
         name = f"e2e-{os.getpid()}-{c}"
-        eng.write_control(rf.RecordKind.BEGIN, name, {"spec": spec, "num_prompt_tokens": rows // 2, "n": 1,
-                                                      "model": "bench", "prompt_token_ids": list(range(rows // 2))})
+        eng.write_control(name, BeginMeta(spec=spec, num_prompt_tokens=rows // 2, n=1, model="bench",
+                                          prompt_token_ids=list(range(rows // 2))))
         for k in range(0, rows, 64):  # chunks of 64 positions, like prefill steps
             pos = np.arange(k, min(k + 64, rows), dtype=np.int32)
             w.write(name, logits, pos, pos % 1000, x[pos], step=c * 1000 + k // 64 + 1, num_prompt_tokens=rows // 2)
-        eng.write_control(rf.RecordKind.END, name, {"reason": "length", "num_prompt_tokens": rows // 2,
-                                                    "num_output_tokens": rows - rows // 2 + 1,
-                                                    "output_token_ids": list(range(rows - rows // 2 + 1)),
-                                                    "end_position": rows})
+        eng.write_control(name, EndMeta(reason="length", num_prompt_tokens=rows // 2,
+                                        num_output_tokens=rows - rows // 2 + 1,
+                                        output_token_ids=list(range(rows - rows // 2 + 1)), end_position=rows))
     while not eng.flush():
         time.sleep(0.001)
     if finished_at is not None:

@@ -118,13 +118,14 @@ def _writer_main(shm: str, ring_bytes: int, cmds: Any, results: Any) -> None:
     from vllm_tap import ring_format as rf
     from vllm_tap.ring_records import TensorId
     from vllm_tap.ring_files import ring_path
+    from vllm_tap.ring_schema import BeginMeta, EndMeta, spec_field
     from vllm_tap.ring_writer import RingWriter
     from vllm_tap.spec import CaptureSpec
 
     logits = TensorId(rf.TensorKind.LOGITS)
     eng = RingWriter(ring_path(shm, INSTANCE, rf.ENGINE_RANK), 4 * MiB, rank=rf.ENGINE_RANK)
     w = RingWriter(ring_path(shm, INSTANCE, 0), ring_bytes, block_timeout=60.0)
-    spec = CaptureSpec().to_meta()
+    spec = spec_field(CaptureSpec())
     results.put(("ready", os.getpid()))
     try:
         while True:
@@ -139,8 +140,7 @@ def _writer_main(shm: str, ring_bytes: int, cmds: Any, results: Any) -> None:
             src = np.random.default_rng(0).standard_normal(width, dtype=np.float32).view(np.uint8)
             # A writer without a scheduler never computes past an end: it says so, and the daemon
             # delivers each record at once instead of holding the newest back (assembly.HOLD_NEWEST).
-            eng.write_control(rf.RecordKind.BEGIN, name, {"spec": spec, "num_prompt_tokens": 1, "n": 1,
-                                                          "async_scheduling": False})
+            eng.write_control(name, BeginMeta(spec=spec, num_prompt_tokens=1, n=1, async_scheduling=False))
             dropped = 0
             first = last = 0
             cpu0 = time.process_time()
@@ -161,9 +161,8 @@ def _writer_main(shm: str, ring_bytes: int, cmds: Any, results: Any) -> None:
                 w.commit(res)
                 first = first or stamp
                 last = stamp
-            eng.write_control(rf.RecordKind.END, name, {"reason": "length", "num_prompt_tokens": 1,
-                                                        "num_output_tokens": n, "output_token_ids": [],
-                                                        "end_position": n})
+            eng.write_control(name, EndMeta(reason="length", num_prompt_tokens=1, num_output_tokens=n,
+                                            end_position=n))
             results.put(("done", {"name": name, "first_commit_ns": first, "last_commit_ns": last, "dropped": dropped,
                                   "writer_cpu_s": time.process_time() - cpu0}))
     finally:
@@ -171,10 +170,11 @@ def _writer_main(shm: str, ring_bytes: int, cmds: Any, results: Any) -> None:
         eng.close()
 
 
-def _write_many(eng: Any, w: Any, logits: Any, spec: dict, prefix: str, n_caps: int, records: int,
+def _write_many(eng: Any, w: Any, logits: Any, spec: Any, prefix: str, n_caps: int, records: int,
                 size: int) -> dict[str, Any]:
     """Captures one after another, each whole (BEGIN, records, END), as fast as the ring allows."""
     from vllm_tap import ring_format as rf
+    from vllm_tap.ring_schema import BeginMeta, EndMeta
 
     width = size // 4
     src = np.random.default_rng(1).standard_normal(width, dtype=np.float32).view(np.uint8)
@@ -183,8 +183,8 @@ def _write_many(eng: Any, w: Any, logits: Any, spec: dict, prefix: str, n_caps: 
     cpu0 = time.process_time()
     for c in range(n_caps):
         name = f"{prefix}-{c}"
-        eng.write_control(rf.RecordKind.BEGIN, name, {"spec": spec, "num_prompt_tokens": 1, "n": 1, "model": "bench",
-                                                      "async_scheduling": False})
+        eng.write_control(name, BeginMeta(spec=spec, num_prompt_tokens=1, n=1, model="bench",
+                                          async_scheduling=False))
         for k in range(records):
             res = w.reserve(name, logits, [k], [k], dtype=rf.DType.FLOAT32, width=width, step=k + 1,
                             num_prompt_tokens=1)
@@ -194,9 +194,8 @@ def _write_many(eng: Any, w: Any, logits: Any, spec: dict, prefix: str, n_caps: 
             res.payload[:] = src
             w.commit(res)
             first = first or time.time_ns()
-        eng.write_control(rf.RecordKind.END, name, {"reason": "length", "num_prompt_tokens": 1,
-                                                    "num_output_tokens": records, "output_token_ids": [],
-                                                    "end_position": records})
+        eng.write_control(name, EndMeta(reason="length", num_prompt_tokens=1, num_output_tokens=records,
+                                        end_position=records))
     last = time.time_ns()
     while not eng.flush():  # control records the engine ring had no room for yet
         time.sleep(0.001)
