@@ -76,7 +76,7 @@ from .admission import Admission
 from .cost import StepCost
 from .parts import (CHOSEN_ID, LOGIT_PARTS, LOGITS_ID, LSE_ID, STATE_PARTS, TOPK_IDS_ID, TOPK_VALUES_ID, Part, hidden_id,
                     reducer_ids, section, stored_dtype, tensor_ids, tensors_per_step)
-from .publisher import DeviceIndices, Publisher, gather_rows, report_drop
+from .publisher import DeviceIndices, Publisher, RecordSection, gather_rows, report_drop
 from .reducer_ops import DeviceReducer
 from .reductions import logsumexp_rows, topk_rows
 from .settings import SPEC_EXTRA_ARG
@@ -742,20 +742,19 @@ class CaptureStep:
             segments.append((logits, sampled_idx))
         return block, flat, segments
 
-    def _write(self, sections: list, fills: list, block: np.ndarray, flat: np.ndarray) -> None:
-        """One record of `block`'s rows, a section per tensor. sections: (tensor id, dtype code,
-        width, slice, full dim, storage dtype); fills[i]: section i's segments. The copy into the ring
+    def _write(self, sections: list[RecordSection], fills: list, block: np.ndarray, flat: np.ndarray) -> None:
+        """One record of `block`'s rows, a section per tensor; fills[i]: section i's segments. The copy into the ring
         (or staging) converts to the storage dtype, so no converted temporary is made first."""
         core = self.core
         n = block.shape[1]
-        if n > 1 and n * sum(sec[2] * sec[5].itemsize for sec in sections) > core.max_record_bytes:
+        if n > 1 and n * sum(sec.width * sec.dtype.itemsize for sec in sections) > core.max_record_bytes:
             # Too big to share a record (many prefill chunks of full logits): one per request.
             self._write_split(sections, fills, block, flat)
             return
         core.publisher.write(self.table, block, tuple(sections), fills, step=core.step,
                              device_ids=None if self.device_ids is None else (self.device_ids, flat))
 
-    def _write_split(self, sections: list, fills: list, block: np.ndarray, flat: np.ndarray) -> None:
+    def _write_split(self, sections: list[RecordSection], fills: list, block: np.ndarray, flat: np.ndarray) -> None:
         """A record's rows written as one record per request (its rows picked out of each segment)."""
         for slot in np.unique(block[0]).tolist():
             mine = np.flatnonzero(block[0] == slot)

@@ -16,7 +16,7 @@ import torch
 from vllm_tap import ring_format as rf
 from vllm_tap.ring_records import TensorId
 
-from .publisher import STORAGE
+from .publisher import STORAGE, RecordSection
 
 
 class Part(NamedTuple):
@@ -76,9 +76,9 @@ def tensors_per_step(parts: tuple[Part, ...]) -> int:
     return sum(len(tensor_ids(p)) for p in parts)
 
 
-def section(tid: TensorId, dtype: torch.dtype, sl: tuple[int, int], full: int) -> tuple:
-    """A record section as the publisher takes it: the ring writer's five fields, then the storage dtype."""
-    return (tid, STORAGE[dtype], sl[1] - sl[0], sl, full, dtype)
+def section(tid: TensorId, dtype: torch.dtype, sl: tuple[int, int], full: int) -> RecordSection:
+    """A record section of columns `sl` of a tensor `full` wide, stored as `dtype`."""
+    return RecordSection(tid, STORAGE[dtype], sl[1] - sl[0], sl, full, dtype)
 
 
 def stored_dtype(t: "torch.Tensor | torch.dtype", to_f32: bool) -> torch.dtype:

@@ -48,7 +48,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -62,6 +62,18 @@ log = logging.getLogger("vllm_tap.hooks")
 
 STORAGE = {torch.float32: rf.DType.FLOAT32, torch.float16: rf.DType.FLOAT16,
            torch.bfloat16: rf.DType.BFLOAT16, torch.int32: rf.DType.INT32}
+
+
+class RecordSection(NamedTuple):
+    """One section (tensor) of a DATA record as the hook writes it: the ring writer's five fields
+    (RingWriter.prepare_record), then the torch dtype its rows are stored in."""
+
+    tensor: TensorId
+    code: int  # ring_format.DType
+    width: int  # columns: slice[1] - slice[0]
+    slice: tuple[int, int]
+    full_dim: int
+    dtype: torch.dtype
 # The device staging buffer is this share of the ring: a decode step of 128 requests capturing full
 # logits at vocab 128256 in bf16 (33 MB) fits several times in the default ring's (256 MiB / 4).
 STAGING_RING_SHARE = 4
@@ -167,7 +179,7 @@ class Publisher:
         self._step: list[Reservation] = []
         self._starts: list[int] = []
 
-    def write(self, table: RequestTable, rows: np.ndarray, sections: tuple, fills: list[list[Segment]], *,
+    def write(self, table: RequestTable, rows: np.ndarray, sections: tuple[RecordSection, ...], fills: list[list[Segment]], *,
               step: int, device_ids: tuple[torch.Tensor, np.ndarray] | None = None) -> bool:
         """Reserve one record for `rows` with a payload per section (tensor id, dtype code, width,
         slice, full dim, storage dtype) and queue the copies: section i gets the rows `index` (all
@@ -182,7 +194,7 @@ class Publisher:
         self._starts.append(res.record_offset)
         view = self._ring.view
         for (at, _), sec, segments in zip(res.sections, sections, fills):
-            _fill_segments(view(at, sec[5], (n, sec[2])), segments, self._gather_into)
+            _fill_segments(view(at, sec.dtype, (n, sec.width)), segments, self._gather_into)
         if device_ids is not None:
             self._gather_into(view(res.token_ids_offset, torch.int32, (n,)), *device_ids)
         return True
@@ -206,7 +218,7 @@ class Publisher:
         prep = rec.prep
         dests = [view(at + prep.ids_off, torch.int32, (n,)) if rec.device_ids else None]
         for off, dtype, sec in zip(prep.offsets, rec.dtypes, prep.sections):
-            dests.append(view(at + off, dtype, (n, sec[2])))
+            dests.append(view(at + off, dtype, (n, sec.width)))
         return dests, None if rec.derive is None else rec.derive(dests)
 
     def _gather_into(self, dst: torch.Tensor, src: torch.Tensor, index: np.ndarray | None) -> None:
@@ -462,7 +474,7 @@ class StagedPublisher(Publisher):
         if device_ids is not None:
             self._gather_into(self._staged(at, torch.int32, (n,)), *device_ids)
         for (off, _), sec, segments in zip(res.sections, sections, fills):
-            _fill_segments(self._staged(at + off - first, sec[5], (n, sec[2])), segments, self._gather_into)
+            _fill_segments(self._staged(at + off - first, sec.dtype, (n, sec.width)), segments, self._gather_into)
         self._pairs.append((self._ring.view(first, torch.uint8, (size,)), self._staged(at, torch.uint8, (size,))))
         return True
 
@@ -473,7 +485,7 @@ class StagedPublisher(Publisher):
         rec.count = min(FIXED_BLOCKS, self.staging.capacity // rec.stride)
         if rec.count < 2:
             return None
-        shape = (rec.first, rec.size, tuple(prep.offsets), rec.dtypes, tuple(sec[2] for sec in prep.sections),
+        shape = (rec.first, rec.size, tuple(prep.offsets), rec.dtypes, tuple(sec.width for sec in prep.sections),
                  n, device_ids, derive is not None and (derive.__code__, derive.__defaults__))
         blocks = self._shapes.pop(shape, None)
         if blocks is None:
@@ -504,7 +516,7 @@ class StagedPublisher(Publisher):
         prep, n = rec.prep, rec.n
         dests = [self._staged(at, torch.int32, (n,)) if rec.device_ids else None]
         for off, dtype, sec in zip(prep.offsets, rec.dtypes, prep.sections):
-            dests.append(self._staged(at + off - rec.first, dtype, (n, sec[2])))
+            dests.append(self._staged(at + off - rec.first, dtype, (n, sec.width)))
         return self._staged(at, torch.uint8, (rec.size,)), (dests, None if rec.derive is None else rec.derive(dests))
 
     def _staging_full(self, res: Reservation, table: RequestTable, rows: np.ndarray, sections) -> None:
@@ -516,7 +528,7 @@ class StagedPublisher(Publisher):
             log.warning("vllm-tap: device staging buffer full (%d bytes); %d records dropped so far",
                         self.staging.capacity, self.staging_drops)
         for sec, nbytes in zip(sections, res.prep.nbytes):
-            self.writer.drop_rows(table, rows, sec[0], nbytes)
+            self.writer.drop_rows(table, rows, sec.tensor, nbytes)
 
     def _gather_into(self, dst: torch.Tensor, src: torch.Tensor, index: np.ndarray | None) -> None:
         # On the compute stream, into staging (ours, preallocated: nothing to free across streams).

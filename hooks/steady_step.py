@@ -160,15 +160,15 @@ class SteadyRecord:
             rec.topk = (k, at, direct, chosen, lse_at, ids, ids[:, :1], values, None if direct else values[:, :1])
             if direct:
                 derive = (lambda dests, v=at + 1: dests[v][:, :1])  # the values' first column, per block
-        nbytes = n * sum(sec[2] * sec[5].itemsize for sec in sections)
+        nbytes = n * sum(sec.width * sec.dtype.itemsize for sec in sections)
         if n > 1 and nbytes > core.max_record_bytes:
             return None  # the general path splits it by request
         prep = core.writer.prepare_record(table, n, tuple(sections))
         device_ids = not isinstance(view.token_ids, np.ndarray)
-        rec.fixed = core.publisher.fixed_record(prep, n, [sec[5] for sec in sections], device_ids, derive)
+        rec.fixed = core.publisher.fixed_record(prep, n, [sec.dtype for sec in sections], device_ids, derive)
         if rec.fixed is None:
             return None
-        rec.tids = [sec[0] for sec in sections]
+        rec.tids = [sec.tensor for sec in sections]
         rec.wants_logits = bool(logit_parts)
         rec.device_ids = device_ids  # the token ids are a device tensor (gathered into the record)
         return rec
