@@ -27,6 +27,7 @@ import numpy as np
 
 from vllm_tap import arena_format as af
 from vllm_tap import ring_format as rf
+from vllm_tap import wire_format as wf
 
 log = logging.getLogger(__name__)
 
@@ -177,11 +178,11 @@ class ArenaUse:
             return False
         return True
 
-    def tensors(self, h: dict[str, Any]) -> dict[str, tuple[int, np.ndarray]] | None:
+    def tensors(self, m: wf.TokensReply) -> dict[str, tuple[int, np.ndarray]] | None:
         """The arrays a tokens message describes, copied out; None when the arena reused a region first.
         ValueError for a message naming another arena or a descriptor outside it."""
         v = self.view
-        if v is None or h.get("arena") != v.arena_id:
-            raise ValueError(f"tokens in arena {h.get('arena')!r}, but this subscription maps "
+        if v is None or m.arena != v.arena_id:
+            raise ValueError(f"tokens in arena {m.arena!r}, but this subscription maps "
                              f"{'none' if v is None else format(v.arena_id, '016x')}")
-        return v.copy_out(h.get("tensors", []))
+        return v.copy_out(m.tensors)

@@ -13,6 +13,7 @@ import logging
 import os
 from typing import Any, Sequence
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -64,48 +65,59 @@ def _check_default_dir(path: str) -> None:
         os.close(fd)
 
 
-def decode_begin(h: dict[str, Any]) -> CaptureBegin:
-    """A begin message (subscription or watch): the one place its fields are read."""
+def decode_begin(m: wf.BeginReply) -> CaptureBegin:
+    """A begin message (subscription or watch) as the client's record of it."""
     return CaptureBegin(
-        h["request_id"], h["instance"], h.get("tap_key", ""), tuple(h.get("names", ())), h.get("response_id", ""),
-        int(h.get("choice_index", 0)), int(h.get("num_prompt_tokens", 0)), h.get("prompt_token_ids"),
-        int(h.get("n", 1)), h.get("model", ""), h.get("spec"), h.get("start_position"), bool(h.get("lazy")),
-        str(h.get("source") or wf.SOURCES[0]),
+        m.request_id, m.instance, m.tap_key, tuple(m.names), m.response_id, m.choice_index, m.num_prompt_tokens,
+        m.prompt_token_ids, m.n, m.model, m.spec, m.start_position, m.lazy, m.source or wf.SOURCES[0],
     )
 
 
-def decode_end(h: dict[str, Any], missing: PositionRanges) -> CaptureEnd:
+def _expected(m: wf.EndReply) -> tuple[int, int] | None:
+    if not m.expected:
+        return None
+    if len(m.expected) != 2:
+        raise ProtocolError(f"unreadable expected range from the daemon: {m.expected!r}")
+    return (m.expected[0], m.expected[1])
+
+
+def end_missing(m: wf.EndReply) -> PositionRanges:
+    """The missing positions an end message names."""
+    try:
+        return PositionRanges(m.missing)
+    except (TypeError, ValueError, IndexError):
+        raise ProtocolError(f"unreadable missing ranges from the daemon: {m.missing!r}") from None
+
+
+def decode_end(m: wf.EndReply, missing: PositionRanges) -> CaptureEnd:
     """An end message (subscription or watch), with the missing positions the caller accounted."""
-    expected = tuple(h["expected"]) if h.get("expected") else None
     return CaptureEnd(
-        h["request_id"], h["instance"], h["reason"], int(h.get("num_prompt_tokens", 0)),
-        int(h.get("num_output_tokens", 0)), list(h.get("output_token_ids", [])), h.get("end_position"),
-        expected, missing, h.get("response_id", ""), int(h.get("choice_index", 0)),  # type: ignore[arg-type]
-        str(h.get("source") or wf.SOURCES[0]),
+        m.request_id, m.instance, m.reason, m.num_prompt_tokens, m.num_output_tokens, m.output_token_ids,
+        m.end_position, _expected(m), missing, m.response_id, m.choice_index, m.source or wf.SOURCES[0],
     )
 
 
-def decode_chunk(h: dict[str, Any], frames: Sequence[Any], arena: ArenaUse | None = None,
+def decode_chunk(m: wf.TokensReply, frames: Sequence[Any], arena: ArenaUse | None = None,
                  begin: CaptureBegin | None = None) -> Chunk | None:
     """A tokens message's Chunk (arrays from its frames, or copied out of the daemon's arena; its
     reducers' outputs named by the capture's spec, from `begin`); None when its arena regions were
     reused before they were copied."""
     try:
-        if "arena" in h and arena is not None:
-            tensors = arena.tensors(h)
+        if m.arena is not msgspec.UNSET and arena is not None:
+            tensors = arena.tensors(m)
             if tensors is None:
                 return None
         else:
-            tensors = wf.read_tensors(h.get("tensors", []), frames)
+            tensors = wf.read_tensors(m.tensors, frames)
     except wf.WireError as e:
         raise ProtocolError(e.message) from None
     except ValueError as e:
         raise ProtocolError(str(e)) from None
-    ids = np.frombuffer(h["token_ids"], "<i4")
+    ids = np.frombuffer(m.token_ids, "<i4")
     for _code, a in tensors.values():
         if len(a) != len(ids):
             raise ProtocolError(f"tokens message of {len(ids)} positions carries an array of {len(a)} rows")
-    return Chunk.from_tensors(h["request_id"], int(h["start"]), ids, int(h.get("num_prompt_tokens", 0)),
+    return Chunk.from_tensors(m.request_id, m.start, ids, m.num_prompt_tokens,
                               {n: widen(code, a) for n, (code, a) in tensors.items()},
                               reducer_names(begin.spec) if begin is not None else ())
 
@@ -210,31 +222,29 @@ class StreamState:
 
     def _on_frames(self, frames: Sequence[Any], now: float) -> list[Chunk | Gap]:
         try:
-            h = wf.unpack_header(_bytes(frames[0]))
+            m = wf.decode_reply(_bytes(frames[0]))
         except wf.WireError as e:
             raise ProtocolError(f"unreadable message from the daemon at {self.endpoint}: {e.message}") from None
-        if h.get(wf.K_ID) != self.sub_id:
+        if m.id != self.sub_id:
             return []  # an answer to a previous subscription on this socket
         self._heard = now
-        t = h[wf.K_TYPE]
-        if t == wf.ERROR and h.get("code") == wf.E_STOPPING:
+        if isinstance(m, wf.ErrorReply) and m.code == wf.E_STOPPING:
             # A graceful stop is ridden through like a crash: the subscription is resent from the
             # next position once the silence limit passes, to whichever daemon answers (the next
             # one continues the captures in flight that this one handed over).
-            self._stopped = str(h.get("message", ""))
+            self._stopped = m.message
             log.warning("the daemon at %s is stopping (%s): %s goes on from position %s with the next daemon",
                         self.endpoint, self._stopped, self._what(), self.next_position)
             return []
         self._stopped = None
-        if t == wf.ERROR:
+        if isinstance(m, wf.ErrorReply):
             self.done = True
-            code, message = h.get("code", ""), h.get("message", "")
-            if code == wf.E_NOT_FOUND and self.begin is not None:
+            if m.code == wf.E_NOT_FOUND and self.begin is not None:
                 raise CaptureLost(f"the daemon no longer knows {self._what()} (it restarted?); positions from "
                                   f"{self.next_position} on are lost")
-            raise error_for(code, message)
-        if t == wf.BEGIN:
-            if not self.arena.advert(h.get("arena")):
+            raise error_for(m.code, m.message)
+        if isinstance(m, wf.BeginReply):
+            if not self.arena.advert(m.arena):
                 # The daemon's arena cannot be mapped here (another container, no permission): the
                 # same subscription again, under a new id, with payloads as frames.
                 self.outbox.append(self.cancel())
@@ -242,17 +252,17 @@ class StreamState:
                 self.outbox.append(self._subscribe(max(self.timeout - (now - self._t0), 1.0)))
                 return []
             if self.begin is None:  # a resumed subscription repeats it: keep the first
-                self.begin = decode_begin(h)
+                self.begin = decode_begin(m)
                 if self.next_position is None:
                     self.next_position = self.begin.start_position
             return []
-        if t == wf.TOKENS:
-            return self._tokens(h, frames[1:])
-        if t == wf.GAP:
-            return self._gap(h["request_id"], int(h["start"]), int(h["stop"]), str(h.get("reason", "")))
-        if t == wf.END:
-            return self._end(h)
-        raise ProtocolError(f"unexpected message type {t!r} from the daemon")
+        if isinstance(m, wf.TokensReply):
+            return self._tokens(m, frames[1:])
+        if isinstance(m, wf.GapReply):
+            return self._gap(m.request_id, m.start, m.stop, m.reason)
+        if isinstance(m, wf.EndReply):
+            return self._end(m)
+        raise ProtocolError(f"unexpected message type {m.__struct_config__.tag!r} from the daemon")
 
     def _advance(self, start: int, stop: int, rid: str) -> tuple[int, list[Chunk | Gap]]:
         """Where new material starts (>= start), and a Gap for anything skipped before it."""
@@ -264,11 +274,11 @@ class StreamState:
         log.warning("capture %s: positions %d..%d lost (daemon restarted mid-stream)", rid, nxt, start - 1)
         return start, [Gap(lost, LOST, rid)]
 
-    def _tokens(self, h: dict[str, Any], frames: Sequence[Any]) -> list[Chunk | Gap]:
-        start, count, rid = int(h["start"]), int(h["count"]), h["request_id"]
+    def _tokens(self, m: wf.TokensReply, frames: Sequence[Any]) -> list[Chunk | Gap]:
+        start, count, rid = m.start, m.count, m.request_id
         if self.next_position is not None and start + count <= self.next_position:
             return []
-        chunk = decode_chunk(h, frames, self.arena, self.begin)
+        chunk = decode_chunk(m, frames, self.arena, self.begin)
         if chunk is None:  # copied too late: the daemon had reused the region
             at = start if self.next_position is None else max(start, self.next_position)
             self.lost = self.lost.union([range(at, start + count)])
@@ -288,9 +298,9 @@ class StreamState:
         out.append(Gap(range(at, stop), reason, rid))
         return out
 
-    def _end(self, h: dict[str, Any]) -> list[Chunk | Gap]:
-        rid = h["request_id"]
-        expected = tuple(h["expected"]) if h.get("expected") else None
+    def _end(self, m: wf.EndReply) -> list[Chunk | Gap]:
+        rid = m.request_id
+        expected = _expected(m)
         out: list[Chunk | Gap] = []
         if expected is not None and expected[1] > expected[0]:
             if self.next_position is None:
@@ -298,11 +308,7 @@ class StreamState:
             if self.next_position < expected[1]:
                 _, out = self._advance(expected[1], expected[1], rid)  # anything the stream skipped
                 self.next_position = expected[1]
-        try:
-            missing = PositionRanges(h.get("missing") or ()).union(self.lost)
-        except (TypeError, ValueError, IndexError):
-            raise ProtocolError(f"unreadable missing ranges from the daemon: {h.get('missing')!r}") from None
-        self.end = decode_end(h, missing)
+        self.end = decode_end(m, end_missing(m).union(self.lost))
         self.done = True
         return out
 

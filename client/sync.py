@@ -198,11 +198,11 @@ class Client:
 
 def parse_status(frames: list[bytes]) -> dict[str, Any]:
     try:
-        h = wf.unpack_header(frames[0])
+        m = wf.decode_reply(frames[0])
     except wf.WireError as e:
         raise ProtocolError(f"unreadable status reply: {e.message}") from None
-    if h[wf.K_TYPE] == wf.ERROR:
-        raise error_for(h.get("code", ""), h.get("message", ""))
-    if h[wf.K_TYPE] != wf.STATUS:
-        raise ProtocolError(f"expected a status reply, got {h[wf.K_TYPE]!r}")
-    return h["status"]
+    if isinstance(m, wf.ErrorReply):
+        raise error_for(m.code, m.message)
+    if not isinstance(m, wf.StatusReply):
+        raise ProtocolError(f"expected a status reply, got {m.__struct_config__.tag!r}")
+    return m.status

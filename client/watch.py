@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator, Sequence, Union
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -55,7 +56,7 @@ from vllm_tap.positions import PositionRanges
 from .arena import OVERWRITTEN, ArenaUse
 from .errors import DaemonStopped, DaemonUnavailable, ProtocolError, TapError, error_for
 from .records import Capture, CaptureBegin, CaptureBuilder, CaptureEnd, Chunk, Gap
-from .stream import decode_begin, decode_chunk, decode_end
+from .stream import decode_begin, decode_chunk, decode_end, end_missing
 
 log = logging.getLogger(__name__)
 
@@ -261,70 +262,63 @@ class WatchState:
 
     def on_frames(self, frames: Sequence[Any], now: float) -> list[WatchItem]:
         try:
-            h = wf.unpack_header(_bytes(frames[0]))
+            m = wf.decode_reply(_bytes(frames[0]))
         except wf.WireError as e:
             raise ProtocolError(f"unreadable message from the daemon at {self.endpoint}: {e.message}") from None
-        if h.get(wf.K_ID) != self.sub_id:
+        if m.id != self.sub_id:
             return []
         self._heard = now
-        t = h[wf.K_TYPE]
-        if t == wf.ERROR:
-            code, message = h.get("code", ""), h.get("message", "")
-            if code == wf.E_STOPPING:
-                return self._stopping(message)
+        if isinstance(m, wf.ErrorReply) and m.code == wf.E_STOPPING:
+            return self._stopping(m.message)
         self._stopped = None
-        if t == wf.ERROR:
+        if isinstance(m, wf.ErrorReply):
             self.done = True
-            if code in _REJECTED:
-                raise WatchRejected(message)
-            raise error_for(code, message)
-        if t == wf.WATCHING:
-            if not self.arena.advert(h.get("arena")):
+            if m.code in _REJECTED:
+                raise WatchRejected(m.message)
+            raise error_for(m.code, m.message)
+        if isinstance(m, wf.WatchingReply):
+            if not self.arena.advert(m.arena):
                 # The daemon's arena cannot be mapped here: the same watch again, under a new id,
                 # with payloads as frames.
                 self.outbox.append(self.cancel())
                 self.sub_id = new_watch_id()
                 self.outbox.append(self.request(now))
                 return []
-            self.accepted = h
+            self.accepted = msgspec.to_builtins(m)
             # A watch (re)started by the daemon replays from since: a half-received capture starts over.
             self._cur_seq = self._cur_begin = self._cur = None
             if self.last_seq is None:
-                self.last_seq = int(h["since"])
+                self.last_seq = m.since
             return []
-        if t == wf.WATERMARK:
-            return self._watermark(int(h["seq"]))
-        if t == wf.LOST:
-            return self._lost(int(h["first"]), int(h["last"]), str(h.get("reason", "")), str(h.get("detail", "")))
-        seq = h.get("seq")
-        if not isinstance(seq, int):
-            raise ProtocolError(f"watch message {t!r} without a sequence number")
-        if t == wf.BEGIN:
-            return self._on_begin(seq, decode_begin(h))
-        if t == wf.TOKENS:
+        if isinstance(m, wf.WatermarkReply):
+            return self._watermark(m.seq)
+        if isinstance(m, wf.LostReply):
+            return self._lost(m.first, m.last, m.reason, m.detail)
+        if not isinstance(m, (wf.BeginReply, wf.TokensReply, wf.GapReply, wf.EndReply)):
+            raise ProtocolError(f"unexpected message type {m.__struct_config__.tag!r} from the daemon")
+        seq = m.seq
+        if seq is None:
+            raise ProtocolError(f"watch message {m.__struct_config__.tag!r} without a sequence number")
+        if isinstance(m, wf.BeginReply):
+            return self._on_begin(seq, decode_begin(m))
+        if isinstance(m, wf.TokensReply):
             begin = self._cur_begin if self._cur_seq == seq else self._open.get(seq)
-            chunk = decode_chunk(h, frames[1:], self.arena, begin)
+            chunk = decode_chunk(m, frames[1:], self.arena, begin)
             if chunk is None:  # copied too late: the daemon had reused the region
-                start, stop = int(h["start"]), int(h["start"]) + int(h["count"])
+                start, stop = m.start, m.start + m.count
                 self._overwritten[seq] = self._overwritten.get(seq, PositionRanges()).union([range(start, stop)])
-                return self._on_item(seq, Gap(range(start, stop), OVERWRITTEN, h["request_id"]))
+                return self._on_item(seq, Gap(range(start, stop), OVERWRITTEN, m.request_id))
             return self._on_item(seq, chunk)
-        if t == wf.GAP:
-            return self._on_item(seq, Gap(range(int(h["start"]), int(h["stop"])), str(h.get("reason", "")), h["request_id"]))
-        if t == wf.END:
-            try:
-                missing = PositionRanges(h.get("missing") or ())
-            except (TypeError, ValueError, IndexError):
-                raise ProtocolError(f"unreadable missing ranges from the daemon: {h.get('missing')!r}") from None
-            end = decode_end(h, missing)
-            lost = self._overwritten.pop(seq, None)
-            if lost and self.whole and not self._handled(seq):
-                # A whole capture is delivered exact or not at all: this one went while we lagged.
-                return self._lost(seq, seq, wf.LOST_TOO_SLOW, OVERWRITTEN)
-            if lost:
-                end = dataclasses.replace(end, missing_positions=end.missing_positions.union(lost))
-            return self._on_end(seq, end)
-        raise ProtocolError(f"unexpected message type {t!r} from the daemon")
+        if isinstance(m, wf.GapReply):
+            return self._on_item(seq, Gap(range(m.start, m.stop), m.reason, m.request_id))
+        end = decode_end(m, end_missing(m))
+        lost = self._overwritten.pop(seq, None)
+        if lost and self.whole and not self._handled(seq):
+            # A whole capture is delivered exact or not at all: this one went while we lagged.
+            return self._lost(seq, seq, wf.LOST_TOO_SLOW, OVERWRITTEN)
+        if lost:
+            end = dataclasses.replace(end, missing_positions=end.missing_positions.union(lost))
+        return self._on_end(seq, end)
 
     def _stopping(self, reason: str) -> list[WatchItem]:
         """The daemon stops: wait for the next one as after a crash (on_silence resends the watch

@@ -78,11 +78,11 @@ def encode_run(history: list[Event], index: int, entry: Entry, sub_id: int, from
         descs.extend(nw[1])
         stop = nxt.stop
         j += 1
-    return [wf.pack(
-        wf.TOKENS, sub_id, seq=entry.seq, request_id=ev.request_id, instance=ev.instance, start=ev.start,
+    return [wf.encode(wf.TokensReply(
+        id=sub_id, seq=entry.seq, request_id=ev.request_id, instance=ev.instance, start=ev.start,
         count=stop - ev.start, token_ids=ids[0] if len(ids) == 1 else b"".join(ids),
         num_prompt_tokens=ev.num_prompt_tokens, tensors=descs, arena=arena.arena_id,
-    )], j - index
+    ))], j - index
 
 
 def encode(ev: Event, entry: Entry, sub_id: int, from_position: int | None = None,
@@ -99,16 +99,16 @@ def encode(ev: Event, entry: Entry, sub_id: int, from_position: int | None = Non
         if arena is not None:
             adescs = cached[1]
             if adescs is not None:
-                return [wf.pack(
-                    wf.TOKENS, sub_id, seq=entry.seq, request_id=ev.request_id, instance=ev.instance, start=ev.start,
+                return [wf.encode(wf.TokensReply(
+                    id=sub_id, seq=entry.seq, request_id=ev.request_id, instance=ev.instance, start=ev.start,
                     count=len(ev.positions), token_ids=ids, num_prompt_tokens=ev.num_prompt_tokens, tensors=adescs,
                     arena=arena.arena_id,
-                )]
+                ))]
         descs, bufs = wf.describe_tensors(ev.tensors, ev.dtypes)
-        header = wf.pack(
-            wf.TOKENS, sub_id, seq=entry.seq, request_id=ev.request_id, instance=ev.instance, start=ev.start,
+        header = wf.encode(wf.TokensReply(
+            id=sub_id, seq=entry.seq, request_id=ev.request_id, instance=ev.instance, start=ev.start,
             count=len(ev.positions), token_ids=ids, num_prompt_tokens=ev.num_prompt_tokens, tensors=descs,
-        )
+        ))
         return [header, *bufs]
     if isinstance(ev, Gap):
         start, stop = ev.positions.start, ev.positions.stop
@@ -116,16 +116,16 @@ def encode(ev: Event, entry: Entry, sub_id: int, from_position: int | None = Non
             start = max(start, from_position)
             if start >= stop:
                 return None
-        return [wf.pack(wf.GAP, sub_id, seq=entry.seq, request_id=ev.request_id, instance=ev.instance, start=start, stop=stop,
-                        reason=ev.reason)]
+        return [wf.encode(wf.GapReply(id=sub_id, seq=entry.seq, request_id=ev.request_id, instance=ev.instance,
+                                      start=start, stop=stop, reason=ev.reason))]
     if isinstance(ev, Begin):
         b = entry.begin  # the latest, in case a late BEGIN filled in a lazily made capture
-        return [wf.pack(
-            wf.BEGIN, sub_id, seq=entry.seq, request_id=b.request_id, instance=b.instance, tap_key=b.tap_key, names=list(entry.names),
-            response_id=entry.response_id, choice_index=entry.choice_index, num_prompt_tokens=b.num_prompt_tokens,
-            prompt_token_ids=b.prompt_token_ids, n=b.n, model=b.model, spec=b.spec, start_position=b.start_position,
-            lazy=b.lazy, source=b.source, arena=arena_advert(arena),
-        )]
+        return [wf.encode(wf.BeginReply(
+            id=sub_id, seq=entry.seq, request_id=b.request_id, instance=b.instance, tap_key=b.tap_key,
+            names=list(entry.names), response_id=entry.response_id, choice_index=entry.choice_index,
+            num_prompt_tokens=b.num_prompt_tokens, prompt_token_ids=b.prompt_token_ids, n=b.n, model=b.model,
+            spec=b.spec, start_position=b.start_position, lazy=b.lazy, source=b.source, arena=arena_advert(arena),
+        ))]
     assert isinstance(ev, End)
     missing = ev.missing_positions if isinstance(ev.missing_positions, PositionRanges) else \
         PositionRanges.of(ev.missing_positions)
@@ -133,11 +133,11 @@ def encode(ev: Event, entry: Entry, sub_id: int, from_position: int | None = Non
         # A resumed subscription got the positions below from_position from someone else (a
         # previous daemon); the client accounts for those itself.
         missing = missing.clip(from_position, 1 << 62)
-    return [wf.pack(
-        wf.END, sub_id, seq=entry.seq, request_id=ev.request_id, instance=ev.instance, reason=ev.reason,
+    return [wf.encode(wf.EndReply(
+        id=sub_id, seq=entry.seq, request_id=ev.request_id, instance=ev.instance, reason=ev.reason,
         num_prompt_tokens=ev.num_prompt_tokens, num_output_tokens=ev.num_output_tokens,
         output_token_ids=ev.output_token_ids, end_position=ev.end_position,
         expected=list(ev.expected) if ev.expected else None, missing=missing.as_lists(),
         complete=ev.end_position is not None and not missing, delivered=ev.delivered,
         response_id=entry.response_id, choice_index=entry.choice_index, source=ev.source,
-    )]
+    ))]

@@ -272,7 +272,7 @@ class SubscriberHub:
         gets no sends that would notice): a one-frame ping each, which clients ignore. Pins whose time
         is up go."""
         assert self._sock is not None
-        ping = wf.pack(wf.PING, None)
+        ping = wf.encode(wf.PingReply(id=None))
         self.pins.expire(time.monotonic())
         for rid in [r for r in self.pins.peers() if r not in self._by_conn]:  # pins of peers with nothing else here
             try:
@@ -398,7 +398,7 @@ class SubscriberHub:
             kind = type(req).__name__
             self.counters.by_type[kind] = self.counters.by_type.get(kind, 0) + 1
             if isinstance(req, wf.StatusRequest):
-                self._reply(envelope, [wf.pack(wf.STATUS, req.id, status=self._status())])
+                self._reply(envelope, [wf.encode(wf.StatusReply(id=req.id, status=self._status()))])
             elif isinstance(req, wf.Cancel):
                 old = self._subs.get((envelope[0], req.id))
                 if old is not None:

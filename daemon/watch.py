@@ -278,8 +278,8 @@ class WatchHub:
         self._watchers[key] = w
         self.watchers_total += 1
         oldest = self._next_present(0)
-        w.control.append([wf.pack(wf.WATCHING, req.id, since=since, oldest=oldest, next=self.next_seq,
-                                  run_first=self.run_first, arena=arena_advert(w.arena))])
+        w.control.append([wf.encode(wf.WatchingReply(id=req.id, since=since, oldest=oldest, next=self.next_seq,
+                                                     run_first=self.run_first, arena=arena_advert(w.arena)))])
         self._active.add(w)
         log.info("watch %s/%d from seq %d (%s%s)", envelope[0].hex(), req.id, since + 1,
                  "whole" if req.whole else "streamed", "".join(f", {k}={v!r}" for k, v in req.filters().items()))
@@ -305,7 +305,7 @@ class WatchHub:
                 continue  # a message is waiting already: no second one queued behind it
             h = w.handled
             if (h > w.announced and now - w.wm_at >= WATERMARK_S) or now - w.last_send >= KEEPALIVE_S:
-                w.control.append([wf.pack(wf.WATERMARK, w.req.id, seq=h)])
+                w.control.append([wf.encode(wf.WatermarkReply(id=w.req.id, seq=h))])
                 w.announced = max(w.announced, h)
                 w.wm_at = w.last_send = now
                 self._active.add(w)
@@ -487,7 +487,7 @@ class WatchHub:
                         last, detail)
         if w.whole:
             w.announced = max(w.announced, last)
-        return [wf.pack(wf.LOST, w.req.id, first=first, last=last, reason=reason, detail=detail)]
+        return [wf.encode(wf.LostReply(id=w.req.id, first=first, last=last, reason=reason, detail=detail))]
 
     def _finish(self, w: Watcher, frames: Frames, now: float, flush_s: float = FINAL_FLUSH_S) -> None:
         w.final = frames

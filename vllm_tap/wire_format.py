@@ -11,7 +11,8 @@ Client -> daemon:
   watch     {id, since?, whole, instance?, source?, tap_key_prefix?, model?, arena?}    (see "watch" below)
   status    {id}
   cancel    {id}                                    ends a subscription or a watch
-Daemon -> client:
+Daemon -> client (the tagged union `Reply` below: one msgspec Struct per type, tagged by "type",
+which the daemon encodes and the client decodes in one call, `decode_reply`):
   begin  {id, seq, request_id, instance, names, response_id, choice_index, num_prompt_tokens, source, ...}
   tokens {id, seq, request_id, start, count, token_ids (int32 bytes), num_prompt_tokens, tensors} + buffers
          or, through the arena, tokens {..., arena: arena_id, tensors: arena descriptors} and no buffers
@@ -50,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence, Union
 
 import msgpack
+import msgspec
 import numpy as np
 
 from vllm_tap import ring_format as rf
@@ -117,6 +119,133 @@ def pack(msg_type: str, sub_id: int | None, **fields: Any) -> bytes:
     fields[K_TYPE] = msg_type
     fields[K_ID] = sub_id
     return msgpack.packb(fields, use_bin_type=True)
+
+
+# -- replies (daemon -> client): one tagged union, encoded from and decoded into the same Structs --
+#
+# A field the daemon always sends has no default; one it may leave out has the default a reader
+# assumes then. UNSET fields travel only when set (a tokens message names an arena only when its
+# arrays lie in one).
+
+
+class _Reply(msgspec.Struct, tag_field=K_TYPE, kw_only=True, forbid_unknown_fields=False):
+    v: int = WIRE_VERSION
+    id: int | None  # the subscription or watch it answers (None: a ping)
+
+
+class BeginReply(_Reply, tag=BEGIN):
+    request_id: str
+    instance: str
+    seq: int | None = None
+    tap_key: str = ""
+    names: list[str] = []
+    response_id: str = ""
+    choice_index: int = 0
+    num_prompt_tokens: int = 0
+    prompt_token_ids: list[int] | None = None
+    n: int = 1
+    model: str = ""
+    spec: dict[str, Any] | None = None
+    start_position: int | None = None
+    lazy: bool = False
+    source: str | None = None
+    arena: list[Any] | None = None  # [path, arena_id], for a client that offered to map it
+
+
+class TokensReply(_Reply, tag=TOKENS):
+    request_id: str
+    start: int
+    count: int
+    token_ids: bytes  # int32, little-endian
+    seq: int | None = None
+    instance: str = ""
+    num_prompt_tokens: int = 0
+    tensors: list[list[Any]] = []  # [name, dtype, rows, cols] (+ [block, gen, offset] in the arena)
+    arena: int | msgspec.UnsetType = msgspec.UNSET  # the arena's id when `tensors` lie in it
+
+
+class GapReply(_Reply, tag=GAP):
+    request_id: str
+    start: int
+    stop: int
+    seq: int | None = None
+    instance: str = ""
+    reason: str = ""
+
+
+class EndReply(_Reply, tag=END):
+    request_id: str
+    instance: str
+    reason: str
+    seq: int | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    output_token_ids: list[int] = []
+    end_position: int | None = None
+    expected: list[int] | None = None  # [start, stop)
+    missing: list[Any] = []  # [[start, stop], ...], read by positions.PositionRanges
+    complete: bool = False
+    delivered: int = 0
+    response_id: str = ""
+    choice_index: int = 0
+    source: str | None = None
+
+
+class ErrorReply(_Reply, tag=ERROR):
+    code: str = ""
+    message: str = ""
+
+
+class StatusReply(_Reply, tag=STATUS):
+    status: dict[str, Any]
+
+
+class PingReply(_Reply, tag=PING):
+    pass
+
+
+class WatchingReply(_Reply, tag=WATCHING):
+    since: int
+    oldest: int | None = None
+    next: int | None = None
+    run_first: int | None = None
+    arena: list[Any] | None = None
+
+
+class LostReply(_Reply, tag=LOST):
+    first: int
+    last: int
+    reason: str = ""
+    detail: str = ""
+
+
+class WatermarkReply(_Reply, tag=WATERMARK):
+    seq: int
+
+
+Reply = Union[BeginReply, TokensReply, GapReply, EndReply, ErrorReply, StatusReply, PingReply, WatchingReply,
+              LostReply, WatermarkReply]
+assert tuple(t.__struct_config__.tag for t in Reply.__args__) == REPLY_TYPES  # type: ignore[attr-defined]
+_REPLY = msgspec.msgpack.Decoder(Reply)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(reply: Reply) -> bytes:
+    """A reply's header frame."""
+    return _ENCODER.encode(reply)
+
+
+def decode_reply(frame: bytes | memoryview) -> Reply:
+    """A daemon's reply, in one typed decode; WireError when it is not one of this version."""
+    try:
+        reply = _REPLY.decode(frame)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        h = unpack_header(frame)  # says why when it is not a message of this version at all
+        raise WireError(E_BAD_REQUEST, f"bad {h[K_TYPE]!r} message: {e}", h.get(K_ID)) from None
+    if reply.v != WIRE_VERSION:
+        raise WireError(E_VERSION, f"wire version {reply.v!r} not supported; this side speaks version {WIRE_VERSION}",
+                        reply.id)
+    return reply
 
 
 def unpack_header(frame: bytes | memoryview, max_bytes: int | None = None) -> dict[str, Any]:
@@ -221,7 +350,7 @@ def parse_request(frames: Sequence[bytes]) -> Request:
 
 
 def error_frames(code: str, message: str, sub_id: int | None = None) -> list[bytes]:
-    return [pack(ERROR, sub_id, code=code, message=message)]
+    return [encode(ErrorReply(id=sub_id, code=code, message=message))]
 
 
 # -- tensors --

@@ -71,3 +71,24 @@ def test_a_watch_rides_through_a_stop_and_tells_a_caller_that_persists_at_waterm
     assert again.since == 5
     with pytest.raises(DaemonStopped, match="SIGTERM"):
         st.on_silence(11.01)
+
+
+def test_replies_are_one_tagged_union_decoded_in_one_call():
+    """What the daemon encodes from a reply Struct the client decodes into the same Struct; a tokens
+    message names an arena only when it has one; a wrong field type or another version is a WireError."""
+    import msgpack
+    import msgspec
+
+    t = wf.TokensReply(id=3, seq=9, request_id="r", instance="i", start=4, count=1, token_ids=b"\x07\0\0\0",
+                       tensors=[["logits", "float32", 1, 2]])
+    frame = wf.encode(t)
+    assert "arena" not in msgpack.unpackb(frame) and msgpack.unpackb(frame)["v"] == wf.WIRE_VERSION
+    assert wf.decode_reply(frame) == t
+    e = wf.EndReply(id=3, request_id="r", instance="i", reason="stop", missing=[[1, 3]], expected=[0, 5])
+    assert wf.decode_reply(wf.encode(e)) == e
+    assert isinstance(wf.decode_reply(wf.encode(wf.PingReply(id=None))), wf.PingReply)
+    with pytest.raises(wf.WireError, match="gap"):
+        wf.decode_reply(wf.pack(wf.GAP, 3, request_id="r", start="4", stop=5))
+    with pytest.raises(wf.WireError) as info:
+        wf.decode_reply(msgspec.msgpack.encode({**msgspec.to_builtins(t), "v": wf.WIRE_VERSION + 1}))
+    assert info.value.code == wf.E_VERSION
