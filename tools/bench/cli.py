@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import asdict
 from typing import Any
 
 import click
@@ -58,6 +59,19 @@ def _sigterm_to_exit(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+def _compare(part: str, params: dict[str, Any], revs: list[str], repeats: int, outdir: str) -> dict[str, Any]:
+    """`part` of this checkout and of `revs`, interleaved; prints each version's medians."""
+    from vllm_tap.tools.bench import versions
+
+    try:
+        res = versions.compare(part, params, revs, repeats, outdir, click.echo)
+    except RuntimeError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo("\n".join(versions.lines(res)))
+    return res
+
+
+
 @click.command("bench")
 @click.argument("what", type=click.Choice(("all",) + PARTS + ALONE), default="all")
 @click.option("--out", default="results", show_default=True, metavar="DIR", help="Parent folder for bench-<timestamp>/.")
@@ -93,8 +107,9 @@ def _sigterm_to_exit(signum, frame) -> None:
 @click.option("--hook-vocab", default=None, metavar="V,V", help="Hook-cost vocabulary sizes. [32000,128256]")
 @click.option("--hook-steps", type=click.IntRange(min=1), default=None, help="Timed steps per scenario and repeat. [40]")
 @click.option("--against", "against", multiple=True, metavar="REV",
-              help="Hook: also measure the host-only scenario with the code of this git revision of the checkout "
-                   "(repeatable), interleaved with this one: before/after in one run.")
+              help="Hook, ingest, transport: also measure with the code of this git revision of the checkout "
+                   "(repeatable), interleaved with this one, medians and ratios: before/after in one run. "
+                   "(Hook: its host-only scenario.)")
 # transport
 @click.option("--sizes", default=None, metavar="4K,1M", help="Transport record sizes. [4K,16K,64K,256K,1M,4M]")
 @click.option("--subscribers", default=None, metavar="1,4", help="Transport subscriber counts. [1,4]")
@@ -125,6 +140,12 @@ def bench(what: str, out: str, into: str | None, quick: bool, repeats: int | Non
     results["notes"] = list(results.get("notes", [])) + list(opt.pop("notes"))
     echo = lambda msg: click.echo(msg, err=False)  # noqa: E731
 
+    from vllm_tap.tools.bench import versions
+
+    try:
+        versions.check_revisions(list(opt["against"]))
+    except RuntimeError as e:
+        raise click.ClickException(str(e)) from None
     for part in parts:
         t0 = time.time()
         click.echo(f"== {part} ({'quick' if quick else 'full'}) -> {outdir}")
@@ -142,8 +163,11 @@ def bench(what: str, out: str, into: str | None, quick: bool, repeats: int | Non
             p = ingest.IngestParams.quick() if quick else ingest.IngestParams()
             if repeats:
                 p.repeats = repeats
-            results["ingest"] = ingest.run(p, outdir, echo)
-            click.echo(ingest.table(results["ingest"]))
+            if opt["against"]:
+                results["ingest_versions"] = _compare("ingest", asdict(p), list(opt["against"]), p.repeats, outdir)
+            else:
+                results["ingest"] = ingest.run(p, outdir, echo)
+                click.echo(ingest.table(results["ingest"]))
         elif part == "reducer":
             from vllm_tap.tools.bench import reducer
 
@@ -160,14 +184,13 @@ def bench(what: str, out: str, into: str | None, quick: bool, repeats: int | Non
                 p.repeats = repeats
             p.sizes = _sizes(opt["sizes"]) or p.sizes
             p.subscribers = _ints(opt["subscribers"]) or p.subscribers
-            results["transport"] = transport.run(p, outdir, echo)
+            if opt["against"]:
+                results["transport_versions"] = _compare("transport", asdict(p), list(opt["against"]), p.repeats,
+                                                         outdir)
+            else:
+                results["transport"] = transport.run(p, outdir, echo)
         elif part == "hook":
             from vllm_tap.tools.bench import hook_cost, hook_host
-
-            try:
-                hook_host.check_revisions(list(opt["against"]))
-            except RuntimeError as e:
-                raise click.ClickException(str(e)) from None
 
             if opt["preset"] == "small":
                 p = hook_cost.HookParams.small()

@@ -193,83 +193,18 @@ def _child(argv: list[str]) -> None:
 # -- the parent: versions, repeats, summary ------------------------------------------------------
 
 
-def _checkout_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _package_of(checkout: str, into: str) -> str:
-    """A directory holding `vllm_tap` as the package-dir mapping makes it (the core with hooks/,
-    daemon/, ... inside), built of symlinks into a checkout: what PYTHONPATH needs to import it."""
-    pkg = os.path.join(into, "vllm_tap")
-    os.makedirs(pkg)
-    core = os.path.join(checkout, "vllm_tap")
-    for name in os.listdir(core):
-        os.symlink(os.path.join(core, name), os.path.join(pkg, name))
-    for part in ("hooks", "daemon", "client", "tools", "cli"):
-        if os.path.isdir(os.path.join(checkout, part)):
-            os.symlink(os.path.join(checkout, part), os.path.join(pkg, part))
-    return into
-
-
-def _version(rev: str, tmp: str) -> tuple[str, str]:
-    """(label, PYTHONPATH) of a git revision of this checkout, in a temporary worktree."""
-    root = _checkout_root()
-    try:
-        sha = subprocess.run(["git", "-C", root, "rev-parse", "--short", rev], check=True, capture_output=True,
-                             text=True).stdout.strip()
-        tree = os.path.join(tmp, f"tree-{sha}")
-        subprocess.run(["git", "-C", root, "worktree", "add", "--detach", "-q", tree, sha], check=True,
-                       capture_output=True, text=True)
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        raise RuntimeError(f"--against {rev}: not a revision of a git checkout at {root} ({detail.strip()})") from None
-    return sha, _package_of(tree, os.path.join(tmp, f"pkg-{sha}"))
-
-
-def check_revisions(revs: list[str]) -> None:
-    """Each of `revs` names a commit of this checkout (RuntimeError naming the first that does not),
-    before anything is measured."""
-    root = _checkout_root()
-    for rev in revs:
-        try:
-            subprocess.run(["git", "-C", root, "rev-parse", "--verify", "-q", f"{rev}^{{commit}}"], check=True,
-                           capture_output=True, text=True)
-        except (OSError, subprocess.CalledProcessError):
-            raise RuntimeError(f"--against {rev}: not a commit of a git checkout at {root}") from None
-
-
-def _this_version() -> str:
-    root = _checkout_root()
-    try:
-        sha = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
-        return sha + ("+changes" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "this install"
-
-
 def run(params: HostParams, echo=print) -> dict[str, Any]:
+    from vllm_tap.tools.bench.versions import Versions
+
     t_start = time.time()
-    tmp = tempfile.mkdtemp(prefix="vllm-tap-bench-versions-")
-    versions: list[tuple[str, str | None]] = [(_this_version(), None)]
-    trees = []
-    try:
-        for rev in params.against:
-            label, path = _version(rev, tmp)
-            versions.append((label, path))
-            trees.append(os.path.join(tmp, f"tree-{label}"))
-        trials: list[dict[str, Any]] = []
+    trials: list[dict[str, Any]] = []
+    with Versions(params.against) as versions:
         for r in range(params.repeats):
-            order = versions[r % len(versions):] + versions[: r % len(versions)]
-            for label, path in order:
-                env = dict(os.environ)
-                if path is not None:
-                    env["PYTHONPATH"] = path + os.pathsep + env.get("PYTHONPATH", "")
+            for label, path in versions.rotated(r):
                 arg = json.dumps({**asdict(params), "rotate": r})
-                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", arg], env=env, cwd=tmp,
-                                     capture_output=True, text=True, timeout=1800)
+                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", arg],
+                                     env=Versions.env(path), cwd=tempfile.gettempdir(), capture_output=True, text=True,
+                                     timeout=1800)
                 if out.returncode != 0:
                     raise RuntimeError(f"the host-only hook scenario of {label} failed:\n{out.stderr[-3000:]}")
                 for row in json.loads(out.stdout):
@@ -277,13 +212,9 @@ def run(params: HostParams, echo=print) -> dict[str, Any]:
             echo(f"  host-only r{r}: " + ", ".join(
                 f"{t['version']} {t['spec']}@{t['batch']} {t['host_us']:.0f} us/{t['calls']} calls"
                 for t in trials if t["repeat"] == r and t["batch"] == params.batches[0]))
-    finally:
-        root = _checkout_root()
-        for tree in trees:
-            subprocess.run(["git", "-C", root, "worktree", "remove", "--force", tree], capture_output=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-    return {"params": asdict(params), "versions": [v for v, _ in versions], "trials": trials,
-            "summary": summarise(trials, params, [v for v, _ in versions]), "seconds": time.time() - t_start}
+        labels = [v for v, _ in versions.items]
+    return {"params": asdict(params), "versions": labels, "trials": trials,
+            "summary": summarise(trials, params, labels), "seconds": time.time() - t_start}
 
 
 def summarise(trials: list[dict[str, Any]], params: HostParams, versions: list[str]) -> list[dict[str, Any]]:
