@@ -102,27 +102,24 @@ def pump(a: Assembly, now: float, out: list[Event], force_reason: str | None = N
     return resolved(a)
 
 
-def offer(a: Assembly, span: Span, now: float, out: list[Event]) -> bool:
-    """A span of data that arrived in order (its capture's frontier known, nothing of it pending):
-    deliver what can go now; True when every expected position went out."""
-    tok = span.tokens
-    assert tok is not None
-    p0, p1 = span.start, span.stop
+def offer(a: Assembly, tok: Tokens, p0: int, p1: int, now: float, out: list[Event]) -> bool:
+    """Positions [p0, p1) of data that arrived in order (its capture's frontier known, nothing of it
+    pending): deliver what can go now; True when every expected position went out."""
     lim = limit(a)
     ready = a.ready
     if not ready:
         if p0 == a.frontier and (lim is None or p1 <= lim) and not a.holding:
             _tokens(a, tok, p1, out)  # nothing waits, and it goes out whole
-            return resolved(a)
+            return a.stop is not None and p1 >= a.stop
     elif len(ready) == 1 and a.stop is None and lim is not None:
         held = ready[0][3]
         if held.tokens is not None and held.start == a.frontier and held.stop == p0 and held.stop <= lim <= p0:
             # The one span held back goes out, and this one is held in its place (a heap of one).
-            ready[0] = (p0, 0, next(a.order), span)
+            ready[0] = (p0, 0, next(a.order), Span(p0, p1, tok))
             a.account(tok.nbytes - held.tokens.nbytes)
             _tokens(a, held.tokens, held.stop, out)
             return False
-    push(a, span)
+    push(a, Span(p0, p1, tok))
     return pump(a, now, out)
 
 

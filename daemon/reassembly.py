@@ -441,7 +441,7 @@ class Reassembler:
         stats["records"] += rec.n_slices
         requests = self._requests
         groups = rec.groups
-        if not rec.all_whole:
+        if not rec.whole:
             for i in range(len(groups)):
                 for r in rec.slices(i):
                     self._on_slice(r, now, out)
@@ -494,7 +494,7 @@ class Reassembler:
                 tensors = {name: x if rows is None else x[rows] for name, x in names.items()}
             tok = new_tokens(self.instance, a.request_id, pos, ids, a.num_prompt_tokens or e.num_prompt_tokens,
                              tensors, names.dtypes, now, n * names.row_bytes)
-            if delivery.offer(a, Span(p0, p0 + n, tok), now, out):
+            if delivery.offer(a, tok, p0, p0 + n, now, out):
                 self._finish(a, now, out, None)
 
     def _on_slice(self, r: Slice, now: float, out: list[Event]) -> None:

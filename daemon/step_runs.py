@@ -79,7 +79,7 @@ def _step_at(recs: list, i: int, breaks: Collection[int]) -> tuple[Any, int]:
 
 def joinable(b: object) -> bool:
     """A record that may start or extend a run: a whole decode step of a small record of whole tensors."""
-    return (type(b) is DataRecord and b.steps is None and not b.wants_more and b.all_whole
+    return (type(b) is DataRecord and b.steps is None and not b.wants_more and b.whole
             and b.groups is one_row_each(len(b.groups)) and 0 < b.nbytes <= RUN_RECORD_BYTES)
 
 
@@ -123,4 +123,4 @@ def join(run: list[DataRecord], alloc: Callable[[int], Any] | None) -> DataRecor
             _GROUPS.clear()
         groups = _GROUPS[(n, k)] = [(i, slice(i * k, (i + 1) * k)) for i in range(n)]
     return DataRecord(first.step, first.rank, first.ring, first.epoch, first.entries, positions, token_ids, groups,
-                      sections, steps=run)
+                      sections, True, steps=run)

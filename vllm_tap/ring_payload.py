@@ -24,7 +24,7 @@ or decides which capture a step belongs to.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -58,6 +58,7 @@ class DataLayout:
     positions: np.ndarray  # int32 [n_rows], a view of the bytes read
     token_ids: np.ndarray
     groups: list[tuple[int, Any]]  # (table slot, rows: None = all, a slice, or an index array)
+    contiguous: bool  # each capture's rows lie together and in table order (no index array)
     sections: list["SectionLayout"]
     ring: str
     epoch: int
@@ -70,12 +71,8 @@ class DataLayout:
 
     @property
     def all_whole(self) -> bool:
+        """Every section is a whole tensor (no tensor-parallel slice)."""
         return all(s.section.whole for s in self.sections)
-
-    @property
-    def contiguous(self) -> bool:
-        """Each capture's rows lie together and in table order."""
-        return all(rows is None or isinstance(rows, slice) for _, rows in self.groups)
 
     def group_rows(self, i: int) -> int:
         """Rows of group i, whatever form its rows take (all, a slice, or an index array)."""
@@ -85,10 +82,9 @@ class DataLayout:
         return rows.stop - rows.start if isinstance(rows, slice) else len(rows)
 
 
-@dataclass
-class SectionLayout:
-    """One section of a checked DATA record: which tensor and columns (a Section still without its
-    rows), its storage dtype, and where its payload lies."""
+class SectionLayout(NamedTuple):
+    """One section of a checked DATA record: which tensor and columns (its Section, whose rows land()
+    puts in), its storage dtype, and where its payload lies."""
 
     section: Section
     dtype: np.dtype
@@ -144,10 +140,13 @@ def land(layout: DataLayout, destination: Destination | None = None) -> Landing:
         placed = block is not None
         if block is None:
             block = np.empty(hi - lo, _U8)
-        sections = [_with(s.section, data=block[s.offset - lo : s.offset - lo + s.nbytes].view(s.dtype).reshape(n, -1))
-                    for s in secs]
+        sections = []
+        for s in secs:
+            sec = s.section
+            sec.data = block[s.offset - lo : s.offset - lo + s.nbytes].view(s.dtype).reshape(n, -1)
+            sections.append(sec)
         record = DataRecord(layout.step, layout.rank, layout.ring, layout.epoch, layout.entries, positions, token_ids,
-                            layout.groups, sections)
+                            layout.groups, sections, True)
         return Landing(record, lo, hi, [(lo, block)], block, placed, scatter)
     whole_bytes = sum(s.nbytes for s in secs if s.section.whole) if together else 0
     block = None
@@ -168,7 +167,8 @@ def land(layout: DataLayout, destination: Destination | None = None) -> Landing:
             data = block[used : used + s.nbytes]
             used += s.nbytes
             pieces.append((s.offset, data))
-            sections.append(_with(sec, data=data.view(s.dtype).reshape(n, sec.width)))
+            sec.data = data.view(s.dtype).reshape(n, sec.width)
+            sections.append(sec)
         else:
             parts: list[np.ndarray] = []
             wholes: list[np.ndarray | None] = []
@@ -182,7 +182,7 @@ def land(layout: DataLayout, destination: Destination | None = None) -> Landing:
                 else:
                     parts.append(np.empty((rows, sec.width), s.dtype))
                 wholes.append(t)
-            sec = _with(sec, parts=parts, wholes=wholes)
+            sec.parts, sec.wholes = parts, wholes
             sections.append(sec)
             if together:  # each capture's rows straight into their place, in record order
                 off = s.offset
@@ -203,7 +203,3 @@ def land(layout: DataLayout, destination: Destination | None = None) -> Landing:
                         layout.groups, sections)
     return Landing(record, lo, hi, pieces, None, placed, scatter)
 
-
-def _with(sec: Section, **rows: Any) -> Section:
-    """`sec` (tensor and columns) with its rows."""
-    return Section(sec.tensor, sec.dtype, sec.slice_start, sec.slice_stop, sec.full_dim, **rows)

@@ -207,8 +207,10 @@ class DataRecord:
     (all), a slice, or an index array; `sections` hold each tensor's rows. slices(i) gives group i
     as one Slice per section (views where the rows lie together).
 
-    Decode steps of the same requests read together may be joined into one (`steps`: the steps' own
-    records, in order; group i's rows are its rows of each step, in step order)."""
+    `whole`: every section is a whole tensor whose rows all lie in its `data` (the usual record of one
+    rank, read into one block). Decode steps of the same requests read together may be joined into
+    one (`steps`: the steps' own records, in order; group i's rows are its rows of each step, in step
+    order)."""
 
     step: int
     rank: int
@@ -219,6 +221,7 @@ class DataRecord:
     token_ids: np.ndarray  # int32 [n_rows], owned
     groups: list[tuple[int, Any]]
     sections: list[Section]
+    whole: bool = False
     steps: "list[DataRecord] | None" = None
 
     kind = RecordKind.DATA
@@ -231,11 +234,6 @@ class DataRecord:
     def n_slices(self) -> int:
         """(request, tensor) slices: the Slices it stands for, over all its steps."""
         return len(self.groups) * len(self.sections) * (len(self.steps) if self.steps else 1)
-
-    @property
-    def all_whole(self) -> bool:
-        """Every section is a whole tensor, in the record's one block (no tensor-parallel slice)."""
-        return all(s.data is not None for s in self.sections)
 
     def slices(self, i: int) -> list[Slice]:
         if self.steps:  # what each step's record gave, step by step
@@ -273,7 +271,7 @@ class DataRecord:
         if {s.tensor for s in self.sections} & {s.tensor for s in other.sections}:
             return None
         return DataRecord(self.step, self.rank, self.ring, self.epoch, self.entries, self.positions, self.token_ids,
-                          self.groups, self.sections + other.sections)
+                          self.groups, self.sections + other.sections, self.whole and other.whole)
 
     @property
     def wants_more(self) -> bool:

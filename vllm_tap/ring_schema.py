@@ -337,13 +337,17 @@ def _decode_control(mv: memoryview, h: Header, ring: str, epoch: int) -> Control
 
 
 class TableCache:
-    """The last request table decoded: a step's records of every tensor share one table."""
+    """The last request table decoded (a step's records of every tensor share one table), and the last
+    sections (a decode step's record is laid out as the one before it: the same header but for the
+    step, the same section table)."""
 
-    __slots__ = ("blob", "entries")
+    __slots__ = ("blob", "entries", "layout_key", "sections")
 
     def __init__(self) -> None:
         self.blob = b""
         self.entries: list[RequestEntry] = []
+        self.layout_key = b""
+        self.sections: list[tuple] = []
 
 
 def _array_len(raw: memoryview) -> int | None:
@@ -469,6 +473,28 @@ def sections(mv: memoryview, h: Header, layout: tuple[int, int, int, int, int]) 
                        payload_offset=e[7]) for e in entries]
 
 
+def _section_layouts(mv: memoryview, h: Header, layout: tuple[int, int, int, int, int],
+                     cache: TableCache | None) -> list[SectionLayout]:
+    """The record's sections (checked by `sections`), each a fresh Section for its rows."""
+    key = b""
+    if cache is not None:
+        # Everything the sections depend on: the header but for its step, and the section table.
+        at = layout[2] + 4 * h.n_rows
+        key = bytes(mv[4:32]) + bytes(mv[40:56]) + bytes(mv[at : at + rf.section_bytes(h.n_sections)])
+    if cache is None or cache.layout_key != key:
+        n = h.n_rows
+        static = []
+        for sh in sections(mv, h, layout):
+            dt = rf.storage_dtype(sh.dtype)
+            static.append((TensorId.of(sh.tensor, sh.layer), sh.dtype, sh.slice_start, sh.slice_stop, sh.full_dim, dt,
+                           sh.payload_offset, n * (sh.slice_stop - sh.slice_start) * dt.itemsize))
+        if cache is None:
+            return [SectionLayout(Section(*x[:5]), *x[5:]) for x in static]
+        cache.layout_key, cache.sections = key, static
+    return [SectionLayout(Section(tid, code, s0, s1, full), dt, off, nb)
+            for tid, code, s0, s1, full, dt, off, nb in cache.sections]
+
+
 def data_layout(prefix: memoryview | bytes | np.ndarray, h: Header, *, ring: str = "", epoch: int = 0,
                 table_cache: TableCache | None = None) -> DataLayout | None:
     """Check what precedes the payloads of a DATA record (`prefix`: at least its first
@@ -481,7 +507,7 @@ def data_layout(prefix: memoryview | bytes | np.ndarray, h: Header, *, ring: str
         raise Rejected("record shorter than its header says")
     n = h.n_rows
     entries = _table(mv, meta_off, h, table_cache)
-    heads = sections(mv, h, layout)
+    secs = _section_layouts(mv, h, layout, table_cache)
     if n == 0:
         return None
     base = np.frombuffer(mv, np.uint8)
@@ -498,6 +524,7 @@ def data_layout(prefix: memoryview | bytes | np.ndarray, h: Header, *, ring: str
         raise Rejected("a row names a request outside the table", tuple(dict.fromkeys(e.request_id for e in entries)))
     if bad_position:
         raise Rejected("a negative position", tuple(dict.fromkeys(e.request_id for e in entries)))
+    contiguous = True
     if h.n_requests == 1:
         groups: list[tuple[int, Any]] = [(0, None)]
     else:
@@ -505,6 +532,7 @@ def data_layout(prefix: memoryview | bytes | np.ndarray, h: Header, *, ring: str
         # before the batch's sampled rows): a stable sort by slot keeps each request's rows in
         # their position order, and each request's rows are then taken with one copy.
         order = None if bool(np.all(slots[1:] >= slots[:-1])) else np.argsort(slots, kind="stable")
+        contiguous = order is None
         sorted_slots = slots if order is None else slots[order]
         bounds = (np.flatnonzero(np.diff(sorted_slots)) + 1).tolist()
         if order is None and n == h.n_requests and len(bounds) == n - 1:
@@ -512,12 +540,7 @@ def data_layout(prefix: memoryview | bytes | np.ndarray, h: Header, *, ring: str
         else:
             groups = [(int(sorted_slots[a]), slice(a, b) if order is None else order[a:b])
                       for a, b in zip([0, *bounds], [*bounds, n])]
-    secs = []
-    for sh in heads:
-        dt = rf.storage_dtype(sh.dtype)
-        sec = Section(TensorId.of(sh.tensor, sh.layer), sh.dtype, sh.slice_start, sh.slice_stop, sh.full_dim)
-        secs.append(SectionLayout(sec, dt, sh.payload_offset, n * sec.width * dt.itemsize))
-    return DataLayout(h.step, h.rank, n, entries, positions, token_ids, groups, secs, ring, epoch)
+    return DataLayout(h.step, h.rank, n, entries, positions, token_ids, groups, contiguous, secs, ring, epoch)
 
 
 _ONE_ROW_EACH: dict[int, list[tuple[int, Any]]] = {}

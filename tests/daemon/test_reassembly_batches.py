@@ -157,7 +157,7 @@ def _run(ops: list, hold: int, vocab: int = 8, hidden: int = 4) -> tuple[Reassem
                 batch = got_a[0]
                 batches += 1
                 assert len(batch.sections) == (1 if split == "first" else 2)
-                if batch.all_whole:  # the payloads were copied once, into the blocks the reader was given
+                if batch.whole:  # the payloads were copied once, into the blocks the reader was given
                     bases = [(b.__array_interface__["data"][0], len(b))
                              for b in rings.buffers[-(2 if split == "both" else 1):]]
                     for sec in batch.sections:
@@ -303,7 +303,7 @@ def test_a_tensor_parallel_slice_is_not_batched():
         w.commit(res)
         (rec,) = r.poll()
         (sec,) = rec.sections
-        assert not rec.all_whole and sec.data is None and (sec.slice_start, sec.slice_stop, sec.full_dim) == (0, 4, 8)
+        assert not rec.whole and sec.data is None and (sec.slice_start, sec.slice_stop, sec.full_dim) == (0, 4, 8)
     finally:
         w.close()
         r.close()
