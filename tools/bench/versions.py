@@ -4,7 +4,7 @@ Each revision is checked out into a temporary worktree and imported through PYTH
 directory of symlinks, as the package-dir mapping lays it out), each version in an interpreter of
 its own. `compare` runs one bench part (ingest, transport) that way, the versions interleaved
 repeat by repeat and their order rotated, so load on a shared box falls on all of them alike;
-`lines` gives each version's medians and their ratio to this checkout's.
+`lines` gives each version's medians and this checkout's ratio to each other's.
 """
 
 from __future__ import annotations
@@ -162,16 +162,16 @@ def _metrics(part: str, summary: Any) -> dict[str, float]:
 
 
 def lines(res: dict[str, Any]) -> list[str]:
-    """A markdown table: each metric's median per version, and each other version's over this one's."""
+    """A markdown table: each metric's median per version, and this checkout's over each other's."""
     labels = res["versions"]
     per: dict[str, dict[str, list[float]]] = {}
     for run in res["runs"]:
         for name, v in _metrics(res["part"], run["summary"]).items():
             per.setdefault(name, {}).setdefault(run["version"], []).append(v)
-    head = ["metric", *labels, *(f"{b} / {labels[0]}" for b in labels[1:])]
+    head = ["metric", *labels, *(f"{labels[0]} / {b}" for b in labels[1:])]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, by in per.items():
         meds = [median(by.get(v, [])) for v in labels]
-        ratios = [f"{m / meds[0]:.2f}" if meds[0] else "-" for m in meds[1:]]
+        ratios = [f"{meds[0] / m:.2f}" if m else "-" for m in meds[1:]]
         out.append("| " + " | ".join([name, *(f"{m:.3g}" for m in meds), *ratios]) + " |")
     return out
