@@ -21,7 +21,8 @@ from vllm_tap.tools.bench import median
 
 
 def checkout_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # realpath: a package of symlinks (a version measured beside this one) still finds its checkout
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 
 def _package_of(checkout: str, into: str) -> str:
