@@ -11,6 +11,7 @@ import numpy as np
 
 from vllm_tap.client.stream import ENDPOINT_ENV
 from vllm_tap.daemon.cli_options import config_options
+from vllm_tap.status_format import DaemonStatus, from_map
 
 from .keys import key_options
 
@@ -234,12 +235,12 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def _status_text(s: dict[str, Any]) -> str:
-    lines = [f"daemon pid {s['pid']} up {s['uptime_s']:.0f} s at {s['endpoint']} watching {s['shm_dir']}"]
-    bell = s.get("doorbell")
-    lines.append(f"woken by writers at {bell} ({s.get('doorbell_wakeups', 0)} wake-ups)" if bell
+def _status_text(s: DaemonStatus) -> str:
+    lines = [f"daemon pid {s.pid} up {s.uptime_s:.0f} s at {s.endpoint} watching {s.shm_dir}"]
+    bell = s.doorbell
+    lines.append(f"woken by writers at {bell} ({s.doorbell_wakeups} wake-ups)" if bell
                  else "no doorbell: polling the rings on a timer")
-    rings = s["rings"]
+    rings = s.rings
     if rings:
         lines.append(f"{'RING':<40} {'RANK':>5} {'WRITER':>8} {'ALIVE':>5} {'CAPACITY':>10} {'PENDING':>10} "
                      f"{'BEHIND':>8} {'WRITTEN':>9} {'DROPPED':>8} {'REJECTED':>8}")
@@ -252,57 +253,57 @@ def _status_text(s: dict[str, Any]) -> str:
             )
     else:
         lines.append("no rings yet")
-    d = s["drops"]
-    lat = s["delivery_latency_s"]
+    d = s.drops
+    lat = s.delivery_latency_s
     mean = f"{1000 * lat['sum'] / lat['count']:.2f} ms" if lat["count"] else "-"
     lines += [
-        f"requests in flight: {s['requests_in_flight']}"
-        + (f" ({s['requests_waiting_for_rings']} ended, waiting for their rings to be read)"
-           if s.get("requests_waiting_for_rings") else "")
-        + f"   retained: {s['retained_requests']} ({_mib(s['retained_bytes'])})   evicted: {s['evicted_requests']}",
-        f"records in: {s['records_in']} ({_mib(s['bytes_in'])})   drops: {d['records']} records "
-        f"({_mib(d['bytes'])}), {d['missing_positions']} positions missing, {d.get('captures_shed', 0)} captures shed "
+        f"requests in flight: {s.requests_in_flight}"
+        + (f" ({s.requests_waiting_for_rings} ended, waiting for their rings to be read)"
+           if s.requests_waiting_for_rings else "")
+        + f"   retained: {s.retained_requests} ({_mib(s.retained_bytes)})   evicted: {s.evicted_requests}",
+        f"records in: {s.records_in} ({_mib(s.bytes_in)})   drops: {d.records} records "
+        f"({_mib(d.bytes)}), {d.missing_positions} positions missing, {d.captures_shed} captures shed "
         f"(daemon behind)",
-        *(["gaps by reason (positions): " + ", ".join(f"{reason} {n}" for reason, n in sorted(s["gap_positions"].items())
+        *(["gaps by reason (positions): " + ", ".join(f"{reason} {n}" for reason, n in sorted(s.gap_positions.items())
                                                       if n)]
-          if any(s.get("gap_positions", {}).values()) else []),
-        f"subscribers: {s['subscribers']} ({s['subscribers_waiting']} waiting, {s['subscribers_too_slow']} cut off as too slow)"
-        f"   delivered: {s['delivered_messages']} messages ({_mib(s['delivered_bytes'])}), mean latency {mean}",
+          if any(s.gap_positions.values()) else []),
+        f"subscribers: {s.subscribers} ({s.subscribers_waiting} waiting, {s.subscribers_too_slow} cut off as too slow)"
+        f"   delivered: {s.delivered_messages} messages ({_mib(s.delivered_bytes)}), mean latency {mean}",
     ]
-    if "connections" in s:  # daemons of this version and later
-        c = s["connections"]
+    if s.connections is not None:  # daemons that count their connections
+        c = s.connections
         lines += [
-            f"in flight: {_mib(s['inflight_bytes'])} of {_mib(s['inflight_budget'])}   cut: {s['captures_cut']}   "
-            f"ends lost: {s['reassembly'].get('ends_lost', 0)}   writers exited: {s['writers_exited']}",
-            f"rejected records: {s['rejected_records']}   corrupt: {s['corrupt_records']}   rings refused: "
-            f"{s['rings_refused']}   dirs refused: {s.get('dirs_refused', 0)}   rings broken: {s['rings_broken']}"
-            f"   discovery: {s['discovery']}",
-            f"connections: {c['open']} open from {c['peers']} peers, {c['refused']} refused"
-            f" ({c.get('refused_key', 0)} for their key)"
-            f"{', NOT ACCEPTING (descriptor limit)' if c['accept_paused'] else ''}   subscriptions refused: "
-            f"{s['subscriptions_refused']}",
+            f"in flight: {_mib(s.inflight_bytes)} of {_mib(s.inflight_budget)}   cut: {s.captures_cut}   "
+            f"ends lost: {s.reassembly.get('ends_lost', 0)}   writers exited: {s.writers_exited}",
+            f"rejected records: {s.rejected_records}   corrupt: {s.corrupt_records}   rings refused: "
+            f"{s.rings_refused}   dirs refused: {s.dirs_refused}   rings broken: {s.rings_broken}"
+            f"   discovery: {s.discovery}",
+            f"connections: {c.open} open from {c.peers} peers, {c.refused} refused"
+            f" ({c.refused_key} for their key)"
+            f"{', NOT ACCEPTING (descriptor limit)' if c.accept_paused else ''}   subscriptions refused: "
+            f"{s.subscriptions_refused}",
         ]
-        lines += [f"broken: {b['path']}: {b['why']}" for b in s.get("broken_rings", [])]
-    a = s.get("arena")
+        lines += [f"broken: {b['path']}: {b['why']}" for b in s.broken_rings]
+    a = s.arena
     if a:
         lines.append(f"arena: {a['path']}  {_mib(a['allocated_bytes'])} of {_mib(a['capacity'])} in {a['regions']} "
                      f"regions (peak {_mib(a['peak_bytes'])}), {a['fallbacks']} fallbacks to frames, "
-                     f"{s.get('arena_messages', 0)} messages as descriptors")
+                     f"{s.arena_messages} messages as descriptors")
     lines += _watch_status_lines(s)
     return "\n".join(lines)
 
 
-def _watch_status_lines(s: dict[str, Any]) -> list[str]:
+def _watch_status_lines(s: DaemonStatus) -> list[str]:
     """The sequence range still retained and the watchers (a daemon without watch has neither key)."""
-    q = s.get("sequence")
+    q = s.sequence
     if not q:
         return []
     retained = (f"{q['first_retained']}..{q['last_retained']} ({q['retained']} captures)" if q.get("retained")
                 else "none")
     lines = [f"sequence: last {q['last']}, retained {retained}, this run from {q['run_first']}, "
              f"state {q['state_file']}" + (f" NOT PERSISTED: {q['persist_error']}" if q.get("persist_error") else "")]
-    ws = s.get("watchers", [])
-    lines.append(f"watchers: {len(ws)}" + (f" ({s.get('watchers_total', 0)} since start)" if ws or s.get("watchers_total")
+    ws = s.watchers
+    lines.append(f"watchers: {len(ws)}" + (f" ({s.watchers_total} since start)" if ws or s.watchers_total
                                            else ""))
     if ws:
         lines.append(f"  {'PEER/ID':<28} {'MODE':<8} {'HANDLED':>8} {'BEHIND':>7} {'DELIVERED':>9} {'LOST':>6} "
@@ -327,7 +328,14 @@ def status(endpoint: str | None, as_json: bool, timeout: float) -> None:
         s = Client(endpoint).status(timeout)
     except TapError as e:
         _fail(str(e))
-    click.echo(json.dumps(s, indent=2, sort_keys=True) if as_json else _status_text(s))
+    if as_json:
+        click.echo(json.dumps(s, indent=2, sort_keys=True))
+        return
+    try:
+        typed = from_map(s)
+    except ValueError as e:
+        _fail(f"the daemon's status does not read as one: {e}")
+    click.echo(_status_text(typed))
 
 
 # -- keygen --

@@ -16,11 +16,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from vllm_tap.status_format import Connections, DaemonStatus
+
 log = logging.getLogger(__name__)
 
 
 class SnapshotSource(Protocol):
-    def snapshot(self) -> dict[str, Any]: ...
+    def snapshot(self) -> DaemonStatus: ...
 
 
 def _le(key: str) -> float:
@@ -85,13 +87,13 @@ class DaemonCollector(Collector):
             return
         try:
             families = list(self._families(snap))
-        except (KeyError, TypeError, ValueError) as e:  # a snapshot of another shape: say so, once per scrape
+        except (AttributeError, KeyError, TypeError, ValueError) as e:  # a snapshot of another shape: say so, once per scrape
             log.error("metrics: unexpected snapshot layout: %r", e)
             return
         yield from families
 
-    def _families(self, s: dict[str, Any]) -> Iterable[Metric]:
-        rings = s["rings"]
+    def _families(self, s: DaemonStatus) -> Iterable[Metric]:
+        rings = s.rings
         yield _gauge("vllm_tap_rings", "Rings the daemon is reading.", len(rings))
         yield _gauge("vllm_tap_writers", "Rings whose writer is alive.", sum(1 for r in rings if r["alive"]))
         for name, doc, kind, read in _RING_METRICS:
@@ -100,88 +102,88 @@ class DaemonCollector(Collector):
                 family.add_metric([str(r["instance"]), str(r["name"]), str(r["rank"])], float(read(r)))
             yield family
 
-        drops = s["drops"]
-        yield _gauge("vllm_tap_uptime_seconds", "Seconds since the daemon started.", s["uptime_s"])
-        yield _gauge("vllm_tap_requests_in_flight", "Requests whose capture has not ended yet.", s["requests_in_flight"])
-        yield _gauge("vllm_tap_requests_retained", "Finished captures kept for late subscribers.", s["retained_requests"])
-        yield _gauge("vllm_tap_retained_bytes", "Bytes held by retained captures.", s["retained_bytes"])
-        yield _counter("vllm_tap_requests_evicted", "Finished captures evicted (retain_bytes / retain_ttl_s).", s["evicted_requests"])
-        yield _counter("vllm_tap_records", "Records read from all rings.", s["records_in"])
-        yield _counter("vllm_tap_bytes", "Tensor payload bytes read from all rings.", s["bytes_in"])
-        yield _counter("vllm_tap_dropped_records", "Records writers dropped because a ring was full (all rings).", drops["records"])
-        yield _counter("vllm_tap_dropped_bytes", "Bytes writers dropped because a ring was full (all rings).", drops["bytes"])
+        drops = s.drops
+        yield _gauge("vllm_tap_uptime_seconds", "Seconds since the daemon started.", s.uptime_s)
+        yield _gauge("vllm_tap_requests_in_flight", "Requests whose capture has not ended yet.", s.requests_in_flight)
+        yield _gauge("vllm_tap_requests_retained", "Finished captures kept for late subscribers.", s.retained_requests)
+        yield _gauge("vllm_tap_retained_bytes", "Bytes held by retained captures.", s.retained_bytes)
+        yield _counter("vllm_tap_requests_evicted", "Finished captures evicted (retain_bytes / retain_ttl_s).", s.evicted_requests)
+        yield _counter("vllm_tap_records", "Records read from all rings.", s.records_in)
+        yield _counter("vllm_tap_bytes", "Tensor payload bytes read from all rings.", s.bytes_in)
+        yield _counter("vllm_tap_dropped_records", "Records writers dropped because a ring was full (all rings).", drops.records)
+        yield _counter("vllm_tap_dropped_bytes", "Bytes writers dropped because a ring was full (all rings).", drops.bytes)
         yield _counter("vllm_tap_missing_positions", "Token positions delivered as gaps (dropped or never written).",
-                       drops["missing_positions"])
+                       drops.missing_positions)
         gaps = CounterMetricFamily("vllm_tap_gap_positions", "Token positions delivered as gaps, by reason.",
                                    labels=["reason"])
-        for reason, n in sorted(s.get("gap_positions", {}).items()):
+        for reason, n in sorted(s.gap_positions.items()):
             gaps.add_metric([str(reason)], float(n))
         yield gaps
         yield _gauge("vllm_tap_captures_waiting_for_rings", "Captures whose END was read that wait for the daemon to "
                      "read their rings up to where they stood end_grace_s after it.",
-                     s.get("requests_waiting_for_rings", 0))
+                     s.requests_waiting_for_rings)
         yield _counter("vllm_tap_captures_shed", "Captures delivered as one gap `overloaded`: a worker shed them "
-                       "because the daemon was behind.", drops.get("captures_shed", 0))
-        yield _gauge("vllm_tap_subscribers", "Open subscriptions.", s["subscribers"])
-        yield _gauge("vllm_tap_subscribers_waiting", "Subscriptions waiting for their capture to appear.", s["subscribers_waiting"])
-        yield _counter("vllm_tap_subscriptions", "Subscriptions accepted.", s["subscribers_total"])
+                       "because the daemon was behind.", drops.captures_shed)
+        yield _gauge("vllm_tap_subscribers", "Open subscriptions.", s.subscribers)
+        yield _gauge("vllm_tap_subscribers_waiting", "Subscriptions waiting for their capture to appear.", s.subscribers_waiting)
+        yield _counter("vllm_tap_subscriptions", "Subscriptions accepted.", s.subscribers_total)
         yield _counter("vllm_tap_subscribers_too_slow", "Subscriptions cut off for falling subscriber_queue messages behind.",
-                       s["subscribers_too_slow"])
-        yield _counter("vllm_tap_delivered_messages", "Messages sent to subscribers.", s["delivered_messages"])
-        yield _counter("vllm_tap_delivered_bytes", "Bytes sent to subscribers.", s["delivered_bytes"])
-        arena = s.get("arena")
+                       s.subscribers_too_slow)
+        yield _counter("vllm_tap_delivered_messages", "Messages sent to subscribers.", s.delivered_messages)
+        yield _counter("vllm_tap_delivered_bytes", "Bytes sent to subscribers.", s.delivered_bytes)
+        arena = s.arena
         if arena:
             yield _gauge("vllm_tap_arena_allocated_bytes", "Bytes of the delivery arena held by arrays.",
                          arena["allocated_bytes"])
             yield _counter("vllm_tap_arena_fallbacks", "Arrays kept on the heap (delivered as frames) because the "
                            "arena or its file system was full.", arena["fallbacks"])
             yield _counter("vllm_tap_arena_messages", "Tokens messages sent as arena descriptors.",
-                           s.get("arena_messages", 0))
-        yield _counter("vllm_tap_bad_requests", "Client messages rejected as malformed.", s["bad_requests"])
+                           s.arena_messages)
+        yield _counter("vllm_tap_bad_requests", "Client messages rejected as malformed.", s.bad_requests)
         yield _counter("vllm_tap_rejected_records", "Ring records that did not fit the record schema, all rings "
-                       "(including rings no longer read).", s.get("rejected_records", 0))
+                       "(including rings no longer read).", s.rejected_records)
         yield _counter("vllm_tap_rings_refused", "Files in the ring directory that are not readable rings "
-                       "(other versions, junk, links, sparse files).", s.get("rings_refused", 0))
+                       "(other versions, junk, links, sparse files).", s.rings_refused)
         yield _counter("vllm_tap_rings_broken", "Rings dropped because the file changed under the daemon "
-                       "(truncated or grown).", s.get("rings_broken", 0))
+                       "(truncated or grown).", s.rings_broken)
         yield _counter("vllm_tap_writers_exited", "Ring writers whose exit the daemon saw (pidfd).",
-                       s.get("writers_exited", 0))
-        reasm = s.get("reassembly", {})
+                       s.writers_exited)
+        reasm = s.reassembly
         yield _counter("vllm_tap_ends_lost", "Captures ended because their END never came and the engine stopped "
                        "listing them as capturing.", reasm.get("ends_lost", 0))
-        yield _counter("vllm_tap_captures_cut", "Captures cut to stay inside inflight_bytes.", s.get("captures_cut", 0))
+        yield _counter("vllm_tap_captures_cut", "Captures cut to stay inside inflight_bytes.", s.captures_cut)
         yield _gauge("vllm_tap_inflight_bytes", "Bytes held for captures not ended yet (histories and reassembly).",
-                     s.get("inflight_bytes", 0))
-        conns = s.get("connections", {})
-        yield _gauge("vllm_tap_connections", "Connections open to the subscriber socket.", conns.get("open", 0))
+                     s.inflight_bytes)
+        conns = s.connections or Connections()
+        yield _gauge("vllm_tap_connections", "Connections open to the subscriber socket.", conns.open)
         yield _counter("vllm_tap_connections_refused", "Connections refused (max_connections, max_connections_per_peer).",
-                       conns.get("refused", 0))
+                       conns.refused)
         yield _gauge("vllm_tap_accept_paused", "1 while the daemon does not accept connections (near the descriptor "
-                     "limit).", 1.0 if conns.get("accept_paused") else 0.0)
+                     "limit).", 1.0 if conns.accept_paused else 0.0)
         yield _counter("vllm_tap_subscriptions_refused", "Subscriptions refused (max_subscriptions, "
-                       "max_subscriptions_per_connection).", s.get("subscriptions_refused", 0))
-        hist = s["delivery_latency_s"]
+                       "max_subscriptions_per_connection).", s.subscriptions_refused)
+        hist = s.delivery_latency_s
         h = HistogramMetricFamily("vllm_tap_delivery_latency_seconds", "From reading a record off its ring to sending it to a subscriber.")
         h.add_metric([], _buckets(hist), sum_value=float(hist["sum"]))
         yield h
         yield from _watch_families(s)
 
 
-def _watch_families(s: dict[str, Any]) -> Iterable[Metric]:
+def _watch_families(s: DaemonStatus) -> Iterable[Metric]:
     """The capture stream (daemon/watch.py); absent from a snapshot without it."""
-    q = s.get("sequence")
+    q = s.sequence
     if not q:
         return
     yield _gauge("vllm_tap_sequence_last", "Sequence number of the newest capture.", q["last"])
     yield _gauge("vllm_tap_sequence_persisted", "1 while the sequence counter's state file is being written "
                  "(0: numbering goes on unpersisted, see the log).", 0.0 if q.get("persist_error") else 1.0)
-    yield _gauge("vllm_tap_watchers", "Open watches.", len(s.get("watchers", ())))
-    yield _counter("vllm_tap_watches", "Watches accepted.", s.get("watchers_total", 0))
+    yield _gauge("vllm_tap_watchers", "Open watches.", len(s.watchers))
+    yield _counter("vllm_tap_watches", "Watches accepted.", s.watchers_total)
     yield _counter("vllm_tap_watch_delivered_captures", "Captures sent to watchers (each watcher counts).",
-                   s.get("watch_delivered", 0))
+                   s.watch_delivered)
     lost = CounterMetricFamily("vllm_tap_watch_lost_captures", "Captures reported lost to watchers, by reason.",
                                labels=["reason"])
-    for reason, n in sorted((s.get("watch_lost") or {}).items()):
+    for reason, n in sorted(s.watch_lost.items()):
         lost.add_metric([reason], float(n))
     yield lost
 

@@ -59,12 +59,13 @@ import os
 import resource
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import zmq
 
 from vllm_tap import wire_format as wf
 from vllm_tap.safe_paths import UnsafePath
+from vllm_tap.status_format import DaemonStatus, to_map
 
 from .access import RingAccess, narrow_socket, prepare_arena_dir, prepare_socket_dir, socket_gid, socket_path
 from .arena import Arena
@@ -149,7 +150,7 @@ class Daemon:
         self.hub = SubscriberHub(self.store, self.watch, self.pins,
                                  HubLimits(config.subscriber_queue, config.max_subscriptions,
                                            config.max_subscriptions_per_connection),
-                                 status=self._snapshot)
+                                 status=lambda: to_map(self._snapshot()))
         self.instances = Instances(self.store, self.hub.dispatch, end_grace_s=config.end_grace_s,
                                    inflight_bytes=config.inflight_bytes)
         self.access = RingAccess.from_config(config)
@@ -165,12 +166,12 @@ class Daemon:
             self._stop_reason = reason
         self._stopping = True
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> DaemonStatus:
         """The status (daemon/status.py); another thread may call it."""
         with self._lock:
             return self._snapshot()
 
-    def _snapshot(self) -> dict[str, Any]:
+    def _snapshot(self) -> DaemonStatus:
         return self.status.snapshot(arena=self.arena, copier=self.copier, peers=self._peers, nofile=self.nofile)
 
     def run(self) -> None:

@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
+from vllm_tap.status_format import DaemonStatus
+
 from .config import DaemonConfig
 from .config_load import ConfigError, flag_name, load_config
 from .sdnotify import Notifier
@@ -128,16 +130,16 @@ class MainLoopSnapshots:
 # --- the service -----------------------------------------------------------------------------
 
 
-def _summary(snap: dict[str, Any]) -> tuple[str, int, int]:
+def _summary(snap: DaemonStatus) -> tuple[str, int, int]:
     """(STATUS= text, records writers dropped so far, bytes writers dropped so far)."""
-    rings = snap["rings"]
+    rings = snap.rings
     alive = sum(1 for r in rings if r["alive"])
-    drops = snap["drops"]
+    drops = snap.drops
     text = (
-        f"{len(rings)} rings ({alive} writers alive), {snap['requests_in_flight']} requests in flight, "
-        f"{snap['subscribers']} subscribers, {snap['records_in']} records in, {drops['records']} dropped"
+        f"{len(rings)} rings ({alive} writers alive), {snap.requests_in_flight} requests in flight, "
+        f"{snap.subscribers} subscribers, {snap.records_in} records in, {drops.records} dropped"
     )
-    return text, int(drops["records"]), int(drops["bytes"])
+    return text, int(drops.records), int(drops.bytes)
 
 
 class _Service:
@@ -172,7 +174,7 @@ class _Service:
             self._next_status = now + STATUS_PERIOD_S
             self._report(self.daemon.snapshot())
 
-    def _report(self, snap: dict[str, Any]) -> None:
+    def _report(self, snap: DaemonStatus) -> None:
         text, records, nbytes = _summary(snap)
         self.notifier.status(text)
         # The writers cannot log a drop (they must never slow vLLM down), so the daemon says it;

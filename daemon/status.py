@@ -11,6 +11,7 @@ from typing import Any
 
 from vllm_tap import wire_format as wf
 from vllm_tap.ring_reader import RingBroken
+from vllm_tap.status_format import Connections, DaemonStatus, Drops
 
 from .instances import Instances
 from .events import GAP_REASONS, OTHER
@@ -34,7 +35,7 @@ class StatusView:
         self._store = store
         self._watch = watch
 
-    def snapshot(self, *, arena: Any = None, copier: Any = None, peers: Any = None, nofile: int = 0) -> dict[str, Any]:
+    def snapshot(self, *, arena: Any = None, copier: Any = None, peers: Any = None, nofile: int = 0) -> DaemonStatus:
         """The status now; `arena`, `copier`, `peers`: the daemon's, while it runs."""
         poller, instances, hub, store = self._poller, self._instances, self._hub, self._store
         rings = []
@@ -75,71 +76,61 @@ class StatusView:
         c = hub.counters
         p = peers
         pins = hub.pins
-        return {
-            "pid": os.getpid(),
-            "wire_version": wf.WIRE_VERSION,
-            "uptime_s": time.time() - self.started_at,
-            "endpoint": self.endpoint,
-            "shm_dir": self.shm_dir,
-            # Writers wake the daemon through it; null: it polls the rings on a timer.
-            "doorbell": poller.doorbell.path if poller.doorbell is not None else None,
-            "doorbell_wakeups": pc.doorbell_wakeups,
-            # Shared memory the delivered arrays live in (null: off, or shm_dir not there yet).
-            "arena": dict(arena.snapshot(), pinned_bytes=pins.pinned_bytes,
-                          pinned_captures=pins.captures) if arena is not None else None,
-            # The child that copies large ring payloads into the arena (null: none, no arena or turned off).
-            "copier": copier.snapshot() if copier is not None else None,
-            "discovery": poller.discovery,
-            "rings": rings,
-            # How far behind the daemon is: unread bytes of all rings, and the longest any has waited.
-            "pending_bytes": sum(r["pending_bytes"] for r in rings),
-            "pending_s": max((r["pending_s"] for r in rings), default=0.0),
-            "rings_refused": pc.rings_refused,
-            "dirs_refused": poller.dirs_refused,  # instance directories (or the shm dir) failing the access rules
-            "rings_broken": pc.rings_broken,
-            "broken_rings": list(poller.broken[-10:]),
-            "rejected_records": rejected,
-            "corrupt_records": corrupt,
-            "writers_exited": pc.writers_exited,
-            "requests_in_flight": sum(r.in_flight() for r in instances.all()),
-            # Of those, captures that end once the daemon has read their rings up to where they stood
-            # end_grace_s after the END (or after the END was declared lost).
-            "requests_waiting_for_rings": sum(r.waiting_for_rings() for r in instances.all()),
-            "requests": requests[:100],
-            "inflight_bytes": instances.inflight_bytes(),
-            "inflight_budget": instances.inflight_budget,
-            "captures_cut": instances.captures_cut,
-            "retained_requests": store.retained,
-            "retained_bytes": store.retained_bytes,
-            "evicted_requests": store.evictions,
-            "records_in": pc.records_in,
-            "bytes_in": pc.payload_bytes_in,
-            "steps_joined": pc.steps_joined,
-            "drops": {"records": dropped_records, "bytes": dropped_bytes,
-                      "missing_positions": reasm_stats.get("missing_positions", 0),
-                      "captures_shed": reasm_stats.get("captures_shed", 0)},
-            # Positions delivered as gaps, by reason (daemon/reassembly.py GAP_REASONS, "other").
-            "gap_positions": gap_positions,
-            "reassembly": reasm_stats,
-            "reassembly_errors": instances.reassembly_errors,
-            "subscribers": hub.subscriptions,
-            "subscribers_waiting": hub.waiting,
-            "subscribers_total": c.subscribers_total,
-            "subscribers_too_slow": c.subscribers_too_slow,
-            "subscriptions_refused": c.subscriptions_refused,
-            "subscriptions_dropped_peer_gone": c.subscriptions_dropped_peer_gone,
-            "connections": {"open": p.total if p else 0, "accepted": p.accepted if p else 0,
-                            "refused": p.refused if p else 0, "peers": p.peers if p else 0,
-                            "refused_key": p.refused_key if p else 0,
-                            "curve": bool(p and p.curve is not None),
-                            "accept_paused": bool(p and p.paused), "descriptor_limit": nofile},
-            "delivered_messages": c.delivered_messages,
-            "delivered_bytes": c.delivered_bytes,
-            # Of those, through the arena (descriptors; watchers included): messages, payload bytes described.
-            "arena_messages": c.arena_messages + self._watch.arena_messages,
-            "arena_bytes": c.arena_bytes + self._watch.arena_bytes,
-            "bad_requests": c.bad_requests,
-            "delivery_latency_s": hub.latency.to_dict(),
-            # watch: "sequence" (numbers given, retained range, state file) and "watchers"
+        return DaemonStatus(
+            pid=os.getpid(),
+            wire_version=wf.WIRE_VERSION,
+            uptime_s=time.time() - self.started_at,
+            endpoint=self.endpoint,
+            shm_dir=self.shm_dir,
+            doorbell=poller.doorbell.path if poller.doorbell is not None else None,
+            doorbell_wakeups=pc.doorbell_wakeups,
+            arena=dict(arena.snapshot(), pinned_bytes=pins.pinned_bytes,
+                       pinned_captures=pins.captures) if arena is not None else None,
+            copier=copier.snapshot() if copier is not None else None,
+            discovery=poller.discovery,
+            rings=rings,
+            pending_bytes=sum(r["pending_bytes"] for r in rings),
+            pending_s=max((r["pending_s"] for r in rings), default=0.0),
+            rings_refused=pc.rings_refused,
+            dirs_refused=poller.dirs_refused,
+            rings_broken=pc.rings_broken,
+            broken_rings=list(poller.broken[-10:]),
+            rejected_records=rejected,
+            corrupt_records=corrupt,
+            writers_exited=pc.writers_exited,
+            requests_in_flight=sum(r.in_flight() for r in instances.all()),
+            requests_waiting_for_rings=sum(r.waiting_for_rings() for r in instances.all()),
+            requests=requests[:100],
+            inflight_bytes=instances.inflight_bytes(),
+            inflight_budget=instances.inflight_budget,
+            captures_cut=instances.captures_cut,
+            retained_requests=store.retained,
+            retained_bytes=store.retained_bytes,
+            evicted_requests=store.evictions,
+            records_in=pc.records_in,
+            bytes_in=pc.payload_bytes_in,
+            steps_joined=pc.steps_joined,
+            drops=Drops(records=dropped_records, bytes=dropped_bytes,
+                        missing_positions=reasm_stats.get("missing_positions", 0),
+                        captures_shed=reasm_stats.get("captures_shed", 0)),
+            gap_positions=gap_positions,
+            reassembly=reasm_stats,
+            reassembly_errors=instances.reassembly_errors,
+            subscribers=hub.subscriptions,
+            subscribers_waiting=hub.waiting,
+            subscribers_total=c.subscribers_total,
+            subscribers_too_slow=c.subscribers_too_slow,
+            subscriptions_refused=c.subscriptions_refused,
+            subscriptions_dropped_peer_gone=c.subscriptions_dropped_peer_gone,
+            connections=Connections(open=p.total if p else 0, accepted=p.accepted if p else 0,
+                                    refused=p.refused if p else 0, peers=p.peers if p else 0,
+                                    refused_key=p.refused_key if p else 0, curve=bool(p and p.curve is not None),
+                                    accept_paused=bool(p and p.paused), descriptor_limit=nofile),
+            delivered_messages=c.delivered_messages,
+            delivered_bytes=c.delivered_bytes,
+            arena_messages=c.arena_messages + self._watch.arena_messages,
+            arena_bytes=c.arena_bytes + self._watch.arena_bytes,
+            bad_requests=c.bad_requests,
+            delivery_latency_s=hub.latency.to_dict(),
             **self._watch.snapshot(time.monotonic()),
-        }
+        )

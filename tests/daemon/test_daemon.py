@@ -358,8 +358,8 @@ def test_in_process_daemon_hooks_snapshot_and_stop_from_another_thread(shm_dir, 
         cap = Client(f"tcp://127.0.0.1:{port}").fetch(sc.request_id(0), timeout=10)
         assert_capture(sc, 0, capture_arrays(cap))
         snap = d.snapshot()
-        assert len(snap["rings"]) == 3 and snap["retained_requests"] == 1 and snap["subscribers_total"] == 1
-        assert snap["doorbell"] == os.path.join(shm_dir, ".doorbell")
+        assert len(snap.rings) == 3 and snap.retained_requests == 1 and snap.subscribers_total == 1
+        assert snap.doorbell == os.path.join(shm_dir, ".doorbell")
         # An idle daemon raises each ring's waiting flag before it blocks; a commit then wakes it
         # through its doorbell rather than its timer.
         from vllm_tap import ring_format as rf
@@ -373,12 +373,12 @@ def test_in_process_daemon_hooks_snapshot_and_stop_from_another_thread(shm_dir, 
             while not w.reader_waiting and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert w.reader_waiting, "the idle daemon never raised the new ring's waiting flag"
-            woken = d.snapshot()["doorbell_wakeups"]
+            woken = d.snapshot().doorbell_wakeups
             w.write("r", TensorId(rf.TensorKind.LOGITS), [0], [1], np.ones((1, 4), np.float32))
             assert w._doorbell.sent == 1
-            while d.snapshot()["doorbell_wakeups"] == woken and time.monotonic() < deadline:
+            while d.snapshot().doorbell_wakeups == woken and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert d.snapshot()["doorbell_wakeups"] > woken
+            assert d.snapshot().doorbell_wakeups > woken
         finally:
             w.close(unlink=True)
         time.sleep(0.3)

@@ -585,3 +585,19 @@ def test_sysusers_and_tmpfiles_apply_to_a_scratch_root(tmp_path):
     assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o2770, uid, int(rings.group(1)))
     st = (tmp_path / "dev" / "shm" / "vllm-tap.arena").stat()
     assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o750, uid, int(readers.group(1)))
+
+
+def test_status_is_one_struct_read_by_attribute_and_a_map_on_the_wire():
+    """The status the daemon writes converts to the map the client hands out and back; a map of an
+    earlier daemon (fewer keys) reads with the defaults, a newer one's extra keys are ignored."""
+    from vllm_tap.status_format import Connections, DaemonStatus, Drops, from_map, to_map
+
+    s = DaemonStatus(pid=7, rings=[{"alive": True}], drops=Drops(records=3, bytes=9),
+                     connections=Connections(open=2), watch_lost={"evicted": 1})
+    m = to_map(s)
+    assert m["drops"]["records"] == 3 and m["connections"]["open"] == 2 and m["pid"] == 7
+    assert from_map(m) == s
+    old = from_map({"pid": 1, "drops": {"records": 2, "bytes": 4}, "a_newer_key": 5})
+    assert old.connections is None and old.drops.records == 2 and old.drops.captures_shed == 0
+    with pytest.raises(ValueError):
+        from_map({"pid": "one"})

@@ -21,6 +21,7 @@ import torch
 
 from vllm_tap import ring_format as rf
 from vllm_tap.cli.commands import _status_text
+from vllm_tap.status_format import from_map
 from vllm_tap.hooks.capture_core import CaptureCore, RankPlace, StepView
 from vllm_tap.hooks.publisher import HostBackend, StagedPublisher, staging_bytes
 from vllm_tap.hooks.settings import SPEC_EXTRA_ARG
@@ -161,7 +162,7 @@ def test_captures_learned_while_the_ring_is_over_half_full_are_shed_whole_and_ad
         assert ring["writer"]["captures_shed"] == 3
         assert st["drops"]["captures_shed"] == 3
         assert st["drops"]["records"] == 0
-        assert "3 captures shed" in _status_text(st)  # what `vllm-tap status` prints
+        assert "3 captures shed" in _status_text(from_map(st))  # what `vllm-tap status` prints
         with caplog.at_level(logging.INFO, logger="vllm_tap.hooks"):
             w.core.cost.report()
         assert "3 captures shed" in caplog.text, caplog.text
