@@ -207,3 +207,17 @@ def test_bench_reducer_quick(tmp_path):
     for row in s["host"]:
         assert row["steady"] and row["dropped"] == 0 and row["host_us"] > 0, row
         assert row["calls_constant"], row
+
+
+def test_version_tables_give_medians_and_after_over_before():
+    """`--against` for ingest and transport: each metric's median over a version's runs, and this
+    checkout's over the other's."""
+    from vllm_tap.tools.bench import versions
+
+    runs = [{"version": v, "repeat": r, "summary": {"topk": {"steps_per_s": s, "daemon_cpu_s_per_kstep": c}}}
+            for v, r, s, c in (("new", 0, 100.0, 0.1), ("old", 0, 50.0, 0.2), ("new", 1, 300.0, 0.3),
+                               ("old", 1, 150.0, 0.2), ("new", 2, 200.0, 0.2), ("old", 2, 100.0, 0.4))]
+    rows = versions.lines({"part": "ingest", "versions": ["new", "old"], "runs": runs})
+    assert rows[0] == "| metric | new | old | new / old |"
+    assert rows[2] == "| topk: steps/s | 200 | 100 | 2.00 |"
+    assert rows[3] == "| topk: daemon CPU s / 1000 steps | 0.2 | 0.2 | 1.00 |"
