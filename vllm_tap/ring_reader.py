@@ -490,7 +490,7 @@ class RingReader:
             if layout is None or not layout.all_whole:
                 return
             landing = land(layout, self.destination)
-            if not landing.placed:
+            if not landing.placed or landing.block is None:  # per-capture arrays, not one block: poll reads it
                 return
             token = self.copier.start(self, rf.HEADER_SIZE + at + landing.lo, landing.block)
             if token is not None:

@@ -57,6 +57,36 @@ def test_a_backlog_of_full_logits_arrives_exact_through_the_copier_read_ahead(da
     assert ring["read_ahead_taken"] >= steps // 2, ring
 
 
+def test_large_records_whose_captures_rows_are_interleaved_are_read_past_a_large_record(daemon_factory, shm_dir):
+    """Large records of whole tensors whose captures' rows do not lie together (each step holds two
+    positions of every request, interleaved) follow one another in a backlog: the read-ahead after a
+    large record leaves them to poll (they land per capture, not in one block), the daemon stays up
+    and every value arrives exactly as written."""
+    from vllm_tap.ring_records import TensorId
+    from vllm_tap.spec import CaptureSpec, LogitsMode, PositionsMode
+
+    d = daemon_factory(end_grace_s=1.0)
+    n, prompt, steps, each, vocab = 4, 4, 6, 2, 32768
+    spec = CaptureSpec(logits=LogitsMode.FULL, layers=(), positions=PositionsMode.OUTPUT).to_meta()
+    rids = [f"interleaved-{i}" for i in range(n)]
+    sections = ((TensorId(rf.TensorKind.LOGITS), rf.DType.FLOAT32, vocab, (0, vocab), vocab),)
+
+    def row(i: int, pos: int, section: int = 0) -> np.ndarray:
+        return (np.arange(vocab) * 0.25 + 1000 * int(pos) + 100_000 * int(i)).astype(np.float32)
+
+    write_decode_backlog(shm_dir, d, rids, spec, prompt, steps, sections, row, ring_bytes=64 << 20, rows_each=each)
+    c = d.client()
+    pos = np.arange(prompt - 1, prompt - 1 + steps * each)
+    for i, rid in enumerate(rids):
+        try:
+            cap = c.fetch(rid, timeout=30)
+        except Exception:
+            raise AssertionError(d.log()[-3000:]) from None
+        assert cap.positions.tolist() == pos.tolist() and cap.missing_positions == [] and cap.complete, rid
+        assert cap.arrays()["logits"].tobytes() == np.stack([row(i, p) for p in pos]).tobytes(), rid
+    assert d.proc.poll() is None and d.status()["copier"]["losses"] == 0
+
+
 class _Ring:
     """What the copier asks of a ring reader: its descriptor."""
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import urllib.error
 import urllib.request
@@ -58,6 +59,13 @@ class ServerStack:
 
     def __exit__(self, *exc) -> None:
         self.client.close()
+        if exc[0] is not None:  # the daemon's last lines beside the failure (its log goes with the stack)
+            try:
+                with open(self.daemon.log_path, "rb") as f:
+                    f.seek(max(0, os.path.getsize(self.daemon.log_path) - 6000))
+                    sys.stderr.write("--- daemon log (tail) ---\n" + f.read().decode(errors="replace") + "\n")
+            except OSError:
+                pass
         self._clean()
 
     def _clean(self) -> None:

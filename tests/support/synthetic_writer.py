@@ -342,12 +342,14 @@ def write_scenario(shm_dir: str, sc: Scenario) -> None:
 
 
 def write_decode_backlog(shm_dir: str, daemon, rids: list[str], spec: dict, prompt: int, steps: int,
-                         sections: tuple, fill, ring_bytes: int = 16 << 20, begin_meta=None) -> None:
+                         sections: tuple, fill, ring_bytes: int = 16 << 20, begin_meta=None, rows_each: int = 1) -> None:
     """A backlog for a daemon to catch up on: every request's BEGIN (read before going on), then
     `steps` decode steps of all of them written while the daemon is stopped (SIGSTOP), one record a
     step with `sections`, then their ENDs; the daemon runs again after. fill(i, pos, section) -> the
     row of request i at position pos (its bytes are what the record holds); begin_meta(i) -> more
-    BEGIN fields. Rings as a worker (rank 0) and its engine core write them."""
+    BEGIN fields. rows_each > 1: each step holds that many positions of every request, the requests'
+    rows interleaved (r0 p, r1 p, r0 p+1, r1 p+1, ...: no capture's rows lie together). Rings as a
+    worker (rank 0) and its engine core write them."""
     import signal
 
     from waiting import wait_until
@@ -372,17 +374,19 @@ def write_decode_backlog(shm_dir: str, daemon, rids: list[str], spec: dict, prom
             table = RequestTable([RequestRef(rid, "", prompt, 1, len(sections), prompt - 1, 0, "client") for rid in rids])
             buf = np.frombuffer(w.buffer, np.uint8)
             for j in range(steps):
-                pos = prompt - 1 + j
-                rows = np.array([np.arange(n), np.full(n, pos), np.arange(n) + pos], np.int32)
+                slots = np.tile(np.arange(n), rows_each)
+                pos = prompt - 1 + j * rows_each + np.repeat(np.arange(rows_each), n)
+                rows = np.ascontiguousarray(np.array([slots, pos, slots + pos], np.int32))
                 res = w.reserve_sections(table, rows, sections, step=j + 1)
                 assert res is not None
                 for k, (at, nb) in enumerate(res.sections):
-                    buf[at : at + nb] = np.stack([fill(i, pos, k) for i in range(n)]).reshape(-1).view(np.uint8)
+                    buf[at : at + nb] = np.stack([fill(i, p, k) for i, p in zip(slots, pos)]).reshape(-1).view(np.uint8)
                 w.commit(res)
             for rid in rids:
                 eng.write_control(rid, EndMeta(
-                    reason="length", num_prompt_tokens=prompt, num_output_tokens=steps + 1,
-                    end_position=prompt - 1 + steps, spec=spec_field(CaptureSpec.from_meta(spec)), source="client"))
+                    reason="length", num_prompt_tokens=prompt, num_output_tokens=steps * rows_each + 1,
+                    end_position=prompt - 1 + steps * rows_each, spec=spec_field(CaptureSpec.from_meta(spec)),
+                    source="client"))
             assert eng.flush()
         finally:
             os.kill(daemon.proc.pid, signal.SIGCONT)
