@@ -7,7 +7,8 @@ It owns the open rings, the ring directory and the doorbell; nothing else touche
 (daemon/server.py says them for the whole daemon): a ring's bytes are decoded against a schema; a
 ring that changes under the daemon is dropped with one line and its captures end; a writer's death
 ends its captures after what its ring still holds is read; each ring is read a bounded amount per
-round. After each poll of a ring its target is told how far its writer had written and how far it
+turn, and a turn's reading takes a few milliseconds (READ_TURN_S), so requests are answered while
+the daemon catches up. After each poll of a ring its target is told how far its writer had written and how far it
 is read (`ring_read`: the captures whose Barrier that passes end), and when a ring is no longer
 read (`ring_closed`).
 """
@@ -42,7 +43,14 @@ DISCOVERY_WALK = 4096  # directory entries looked at per discovery round
 DISCOVERY_OPENS = 256  # candidate files tried per discovery round
 RECENT_WRITE_NS = 10 * 10**9  # a ring written this recently counts as alive even if its pid is not
 # visible (a writer in another pid namespace)
-READ_BUDGET_BYTES = 16 << 20  # per ring per round, so one busy ring cannot starve the others
+READ_BUDGET_BYTES = 16 << 20  # per ring per turn, so one busy ring cannot starve the others
+# A turn's reading stops once it has taken READ_TURN_S (each ring still gets one chunk a turn), so the
+# loop answers requests between turns while it catches up on a backlog of thousands of steps. A
+# chunk is what one poll of a ring reads: few enough records that handling them takes milliseconds,
+# many enough that decode steps still join (daemon/step_runs.py).
+READ_TURN_S = 0.005
+READ_CHUNK_RECORDS = 256
+READ_CHUNK_BYTES = 4 << 20
 LOG_FIRST = 20  # refused ring files logged one by one; then a count per minute
 KEEP_BROKEN = 100  # rings dropped because they changed under the daemon, remembered for `status`
 
@@ -195,11 +203,20 @@ class RingPoller:
             except OSError:
                 pass
 
-    def read(self) -> bool:
-        """Poll every ring once (a bounded amount each); True if anything was read."""
+    def read(self, budget_s: float = READ_TURN_S) -> bool:
+        """One turn: every ring in order, chunk by chunk until it is read to its end, READ_BUDGET_BYTES
+        of it are read or the turn has taken `budget_s` (after that, one chunk for each ring left);
+        True if anything was read."""
         got = 0
+        deadline = time.monotonic() + budget_s
         for ring in list(self._order):
-            got += self._poll_ring(ring)
+            start = ring.reader.read_cursor
+            while True:
+                n = self._poll_ring(ring)
+                got += n
+                if (not n or ring.key not in self._rings or time.monotonic() >= deadline
+                        or ring.reader.read_cursor - start >= READ_BUDGET_BYTES):
+                    break
         return got > 0
 
     def discover(self, now: float) -> None:
@@ -396,7 +413,7 @@ class RingPoller:
 
     def _poll_ring(self, ring: OpenRing) -> int:
         try:
-            recs = ring.reader.poll(max_bytes=READ_BUDGET_BYTES)
+            recs = ring.reader.poll(max_records=READ_CHUNK_RECORDS, max_bytes=READ_CHUNK_BYTES)
         except (RingBroken, OSError) as e:
             self._break(ring, time.monotonic(), str(e))
             return 0
