@@ -320,3 +320,31 @@ def test_a_backlog_read_long_after_its_ends_arrives_whole_with_no_timeout(daemon
     assert s["drops"]["missing_positions"] == 0 and s["reassembly"]["late_records"] == 0, s["reassembly"]
     assert not any(s["gap_positions"].values()) and s["requests_waiting_for_rings"] == 0
     assert s["pending_bytes"] == 0 and s["pending_s"] == 0 and all(r["pending_s"] == 0 for r in s["rings"])
+
+def test_a_capture_whose_head_and_end_went_with_a_killed_daemon_lists_the_head_as_missing(daemon_factory, shm_dir):
+    """A daemon reads a capture's BEGIN and its first positions and is killed (SIGKILL); the END is
+    lost too (the killed daemon read it, or the engine could not write it). The next daemon meets
+    the capture half way, and its end `end lost`: every position of the head is in
+    `missing_positions`, so positions + missing_positions is the expected range, and the end is
+    marked unknown. (Before: a fetch's subscription that resumed after the daemon's silence got an
+    End listing what was missing from where it resumed, and the head it had been sent as a Gap was
+    left out.)"""
+    sc = Scenario(tp=2, n_requests=1, prompt_len=8, gen_len=12, chunk=4)
+    d = daemon_factory(end_grace_s=0.5)
+    eng = SyntheticEngine(sc, shm_dir)
+    eng.end = lambda i: None
+    eng.begin()
+    for _ in range(5):
+        eng.run_step()  # positions 0..10
+    _wait(lambda: _read_everything(d, sc), what="the first daemon to read 0..10")
+    d.kill()
+    while eng.run_step():  # 11..18, written while no daemon runs
+        pass
+    eng.live([])
+    d.start()
+    time.sleep(0.3)
+    eng.live([])
+    cap = d.client().fetch(sc.request_id(0), timeout=30)
+    assert cap.finish_reason == END_LOST and not cap.complete and not cap.end_known and cap.expected == (0, 19)
+    assert cap.positions.tolist() == list(range(11, sc.end_position))
+    assert list(cap.missing_positions) == list(range(11)), cap.missing_positions
