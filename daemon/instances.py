@@ -114,7 +114,8 @@ class Instances:
     def hand_over(self, state_dir: str) -> None:
         """A graceful stop: what was read of the captures in flight and not delivered, for the next daemon."""
         try:
-            state = {inst: reasm.export_state() for inst, reasm in self._reasm.items()}
+            state = {inst: reasm.export_state(lambda rid, inst=inst: self._history(inst, rid))
+                     for inst, reasm in self._reasm.items()}
             n = handover.write(state_dir, state)
         except Exception as e:  # a stop must complete whatever this finds
             log.error("cannot hand the captures in flight over to the next daemon (%s): they end with it", e,
@@ -122,6 +123,10 @@ class Instances:
             return
         if n:
             log.info("handed %d captures in flight over to the next daemon", n)
+
+    def _history(self, instance: str, request_id: str) -> list:
+        entry = self._store.get((instance, request_id))
+        return entry.history if entry is not None and entry.end is None else []
 
     def take_handover(self, state_dir: str, now: float) -> None:
         taken = handover.take(state_dir)

@@ -203,9 +203,9 @@ def test_captures_end_after_the_daemon_is_stopped_resumed_and_stopped_again_then
     """SIGSTOP while captures run; the engine finishes them all (ENDs included) and goes idle; SIGCONT,
     and 30-100 ms later, in the middle of reading the backlog, SIGKILL or SIGTERM; a new daemon.
     Every capture the new daemon sees ends within a bounded time although nothing but the engine's
-    LIVE timer writes. A SIGTERM loses nothing a restart could deliver: the END of every capture
-    arrives (handed over when the stopped daemon had read it), and the only gap is the head the
-    stopped daemon delivered. (Before: captures whose END the first daemon had read waited forever,
+    LIVE timer writes. A SIGTERM loses nothing: the END of every capture arrives (handed over when
+    the stopped daemon had read it), and so does every position the stopped daemon had delivered
+    (its history goes over with the handover); a capture it had finished went with it. (Before: captures whose END the first daemon had read waited forever,
     `ended: false`, even with every position delivered.)"""
     sc = Scenario(tp=2, n_requests=6, prompt_len=8, gen_len=40, chunk=8, vocab=1 << 17, hidden=64,
                   ring_bytes=128 << 20)
@@ -239,11 +239,15 @@ def test_captures_end_after_the_daemon_is_stopped_resumed_and_stopped_again_then
         pos = cap.positions.tolist()
         assert pos == sorted(pos) and not set(pos) & set(cap.missing_positions), rid
         assert sorted(pos + list(cap.missing_positions)) == list(range(sc.end_position)), rid
-        if pos:  # what came is what was written, and it is a tail: the head went with the first daemon
+        if pos and second_stop == "SIGKILL":  # what came is what was written, and it is a tail: the
+            # head went with the first daemon
             assert cap.logits.tobytes() == exp["logits"][pos[0]:].tobytes(), rid
             assert pos == list(range(pos[0], sc.end_position)), rid
         if second_stop == "SIGTERM":
             assert cap.finish_reason == "length" and cap.end_position == sc.end_position, (rid, cap.finish_reason)
+            # What the stopped daemon had delivered went over with the handover: nothing is missing.
+            assert cap.complete and pos == list(range(sc.end_position)), (rid, cap.missing_positions.ranges)
+            assert cap.logits.tobytes() == exp["logits"].tobytes(), rid
         else:
             assert cap.finish_reason in ("length", END_LOST), (rid, cap.finish_reason)
 
