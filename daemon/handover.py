@@ -9,9 +9,9 @@ comes. On a graceful stop (SIGTERM, the systemd stop) the daemon writes these to
 `<state_dir>/handover.msgpack`; the next daemon reads the file once at start-up, deletes it, and
 continues those captures from where they were. What the stopping daemon had delivered of them (its
 retained history: the data and gaps its subscribers got) goes over as well, so a subscriber of the
-next daemon gets every position a graceful stop had read; positions delivered and no longer held
-(none, unless retention dropped them) come as one Gap `not captured: consumed by a previous
-daemon`, as after a crash. A crash writes nothing: captures then end through the engine's LIVE
+next daemon gets every position a graceful stop had read, up to MAX_DELIVERED_BYTES of them in all;
+positions delivered and not handed over (past that, or no longer held) come as one Gap `not
+captured: consumed by a previous daemon`, as after a crash. A crash writes nothing: captures then end through the engine's LIVE
 records.
 
 Rules: the file is written beside its final name and renamed in (a reader never sees half of
@@ -50,6 +50,10 @@ log = logging.getLogger(__name__)
 HANDOVER_FILE = "handover.msgpack"
 HANDOVER_VERSION = 1
 MAX_HANDOVER_BYTES = 1 << 32  # a bound on what is read back; the daemon's inflight_bytes keeps it far below
+# What a stop hands over of the positions it had delivered, at most: the file is written within the
+# stop's few seconds (systemd gives 15). Captures beyond it hand over their metadata and held data
+# alone, and the positions delivered become one Gap NOT_CAPTURED_PREVIOUS, as before.
+MAX_DELIVERED_BYTES = 256 << 20
 _DTYPES = frozenset({"<f4", "<f2", "<u2", "<i4", "<i8", "<f8", "|u1"})
 
 
