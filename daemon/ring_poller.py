@@ -6,7 +6,8 @@ read.
 It owns the open rings, the ring directory and the doorbell; nothing else touches them. Its rules
 (daemon/server.py says them for the whole daemon): a ring's bytes are decoded against a schema; a
 ring that changes under the daemon is dropped with one line and its captures end; a writer's death
-ends its captures after what its ring still holds is read; each ring is read a bounded amount per
+ends its captures after what its ring (and the instance's other rings of dead writers) still holds
+is read, in turns like any backlog; each ring is read a bounded amount per
 turn, and a turn's reading takes a few milliseconds (READ_TURN_S), so requests are answered while
 the daemon catches up. After each poll of a ring its target is told how far its writer had written and how far it
 is read (`ring_read`: the captures whose Barrier that passes end), and when a ring is no longer
@@ -102,6 +103,8 @@ class OpenRing:
     dir_fd: int
     alive: bool = True
     gone: bool = False  # writer_gone reported
+    draining: bool = False  # its writer is gone: writer_gone is reported once it is read to its end ...
+    drained: bool = False  # ... and so are the instance's other rings whose writers are gone
     checked: float = 0.0
     pidfd: int | None = None
     exited_at_cursor: int | None = None  # where the ring was when its writer's pidfd said it exited
@@ -214,6 +217,8 @@ class RingPoller:
             while True:
                 n = self._poll_ring(ring)
                 got += n
+                if not n and (ring.draining or ring.drained) and ring.key in self._rings:
+                    self._drained(ring, time.monotonic())
                 if (not n or ring.key not in self._rings or time.monotonic() >= deadline
                         or ring.reader.read_cursor - start >= READ_BUDGET_BYTES):
                     break
@@ -333,9 +338,6 @@ class RingPoller:
 
     def _writer_exited(self, ring: OpenRing, now: float) -> None:
         self._unwatch_writer(ring)
-        self._drain(ring)  # what it committed before it died still counts
-        if ring.key not in self._rings:
-            return
         self.counters.writers_exited += 1
         try:
             ring.exited_at_cursor = ring.reader.write_cursor()
@@ -343,9 +345,25 @@ class RingPoller:
             ring.exited_at_cursor = None
         ring.alive = False
         if not ring.gone:
-            ring.gone = True
             log.info("writer %d of %s exited", ring.reader.writer_pid, ring.path)
-            self._facts.writer_gone(ring.instance, ring.reader.name, now, WRITER_GONE)
+            ring.draining = True  # what it committed before it died still counts: read in turns, then gone
+
+    def _drained(self, ring: OpenRing, now: float) -> None:
+        """A ring whose writer is gone, read to its end. Its writer is reported gone once every ring
+        of the instance whose writer is gone is read to its end: the engine ring is small and read
+        first, and its writer gone ends the instance's captures, while what the workers wrote before
+        they died may still be in their rings (one process may write both)."""
+        ring.draining = False
+        ring.drained = True
+        same = [r for r in self._order if r.instance == ring.instance]
+        if any(r.draining for r in same):
+            return
+        for r in same:
+            if r.drained:
+                r.drained = False
+                if not r.gone:
+                    r.gone = True
+                    self._facts.writer_gone(r.instance, r.reader.name, now, WRITER_GONE)
 
     def _written_after_exit(self, ring: OpenRing) -> None:
         """A ring still written after its writer's pid exited: the pid was another process (the writer
@@ -359,6 +377,7 @@ class RingPoller:
                         "Run the daemon in vLLM's.", ring.path, ring.reader.writer_pid)
             ring.exited_at_cursor = None
             ring.gone = False
+            ring.draining = ring.drained = False
             ring.alive = True
 
     def _check_alive(self, ring: OpenRing, now: float) -> None:
@@ -370,13 +389,12 @@ class RingPoller:
                 last = 0
             alive = last > 0 and time.time_ns() - last < RECENT_WRITE_NS
         ring.alive = alive
-        if not alive and not ring.gone:
-            ring.gone = True
+        if not alive and not ring.gone and not ring.draining and not ring.drained:
             log.info("writer %d of %s is gone", ring.reader.writer_pid, ring.path)
-            self._drain(ring)
-            self._facts.writer_gone(ring.instance, ring.reader.name, now, WRITER_GONE)
+            ring.draining = True  # read in turns, then gone (_drained)
         elif alive:
             ring.gone = False
+            ring.draining = ring.drained = False
 
     # -- closing --
 
