@@ -233,6 +233,13 @@ class CaptureEnd:
         """The request's END was seen and every expected position arrived."""
         return self.end_position is not None and not self.missing_positions
 
+    @property
+    def end_known(self) -> bool:
+        """Whether the END was read. Without it (`end lost`, `writer gone`, a malformed record) the
+        expected range stops where capture got to: positions the engine computed past it are not
+        in missing_positions, which accounts for everything from the start up to there."""
+        return self.end_position is not None
+
 
 @dataclass
 class Capture:
@@ -271,6 +278,13 @@ class Capture:
     def complete(self) -> bool:
         """The request's END was seen and every expected position arrived."""
         return self.end_position is not None and not self.missing_positions
+
+    @property
+    def end_known(self) -> bool:
+        """Whether the END was read. Without it (`end lost`, `writer gone`, a malformed record) the
+        expected range stops where capture got to: positions the engine computed past it are not
+        in missing_positions, which accounts for everything from the start up to there."""
+        return self.end_position is not None
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every array by a flat name (as saved): positions, token_ids, logits, hidden.L, ..."""

@@ -294,6 +294,9 @@ class StreamState:
             return []
         at, out = self._advance(start, stop, rid)
         self.next_position = stop
+        # Kept here too: the End of a resumed subscription (after silence, or from the next daemon)
+        # lists only what is missing from where it resumed, and this gap came before that.
+        self.lost = self.lost.union([range(at, stop)])
         log.warning("capture %s: positions %d..%d missing (%s)", rid, at, stop - 1, reason)
         out.append(Gap(range(at, stop), reason, rid))
         return out

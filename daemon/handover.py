@@ -7,9 +7,12 @@ BEGIN and END records of captures still in flight (from the engine ring, so thei
 be seen again), pending tensor-parallel slices, positions held back until a later one or the END
 comes. On a graceful stop (SIGTERM, the systemd stop) the daemon writes these to
 `<state_dir>/handover.msgpack`; the next daemon reads the file once at start-up, deletes it, and
-continues those captures from where they were (the positions the previous daemon delivered come as
-one Gap `not captured: consumed by a previous daemon`, as after a crash). A crash writes nothing:
-captures then end through the engine's LIVE records.
+continues those captures from where they were. What the stopping daemon had delivered of them (its
+retained history: the data and gaps its subscribers got) goes over as well, so a subscriber of the
+next daemon gets every position a graceful stop had read, up to MAX_DELIVERED_BYTES of them in all;
+positions delivered and not handed over (past that, or no longer held) come as one Gap `not
+captured: consumed by a previous daemon`, as after a crash. A crash writes nothing: captures then end through the engine's LIVE
+records.
 
 Rules: the file is written beside its final name and renamed in (a reader never sees half of
 one), in the daemon's own state directory. It is decoded against the schema below with bounds:
@@ -39,7 +42,7 @@ from vllm_tap.ring_schema import BeginMeta, ControlMeta, EndMeta, control_record
 from vllm_tap.spec import CaptureSpec
 
 from .assembly import Assembly, Tally
-from .events import NOT_CAPTURED_PREVIOUS, Tokens
+from .events import NOT_CAPTURED_PREVIOUS, Event, Gap, Tokens
 from .ordering import Span, push
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,10 @@ log = logging.getLogger(__name__)
 HANDOVER_FILE = "handover.msgpack"
 HANDOVER_VERSION = 1
 MAX_HANDOVER_BYTES = 1 << 32  # a bound on what is read back; the daemon's inflight_bytes keeps it far below
+# What a stop hands over of the positions it had delivered, at most: the file is written within the
+# stop's few seconds (systemd gives 15). Captures beyond it hand over their metadata and held data
+# alone, and the positions delivered become one Gap NOT_CAPTURED_PREVIOUS, as before.
+MAX_DELIVERED_BYTES = 256 << 20
 _DTYPES = frozenset({"<f4", "<f2", "<u2", "<i4", "<i8", "<f8", "|u1"})
 
 
@@ -125,6 +132,8 @@ class InFlight(msgspec.Struct, forbid_unknown_fields=True):
     spans: list[HeldSpan] = msgspec.field(name="chunks")
     slices: list[Slice]
     shed: str | None = None  # a worker shed it (SHED record read): it ends as one Gap with this reason
+    # What the stopping daemon had delivered below `frontier` (its history), in position order
+    delivered: list[HeldSpan] = []
 
 
 class Handover(msgspec.Struct, forbid_unknown_fields=True):
@@ -205,16 +214,35 @@ def _meta(struct: Any, spec: CaptureSpec | None) -> dict[str, Any] | None:
     return out
 
 
-def export(a: Assembly) -> InFlight:
-    """What was read of a capture in flight and not delivered."""
+def _data_span(t: Tokens) -> HeldSpan:
+    return HeldSpan(t.start, t.stop, "", Array.of(t.positions), Array.of(t.token_ids),
+                    {n: Array.of(x) for n, x in t.tensors.items()}, dict(t.dtypes))
+
+
+def _delivered(history: list[Event], below: int | None) -> list[HeldSpan]:
+    """A capture's delivered data and gaps (its history) below `below`, in position order."""
+    out: list[HeldSpan] = []
+    if below is None:
+        return out
+    for ev in history:
+        if type(ev) is Tokens:
+            if ev.start < below:
+                out.append(_data_span(ev if ev.stop <= below else ev.before(below)))
+        elif type(ev) is Gap and ev.positions.start < below:
+            out.append(HeldSpan(ev.positions.start, min(ev.positions.stop, below), ev.reason))
+    return out
+
+
+def export(a: Assembly, history: list[Event] = ()) -> InFlight:  # type: ignore[assignment]
+    """What was read of a capture in flight: what it holds, and what it delivered (`history`, the
+    events filed for it)."""
     spans = []
     for _, _, _, span in sorted(a.ready, key=lambda item: item[:3]):
         t = span.tokens
         if t is None:
             spans.append(HeldSpan(span.start, span.stop, span.reason))
         else:
-            spans.append(HeldSpan(span.start, span.stop, "", Array.of(t.positions), Array.of(t.token_ids),
-                                  {n: Array.of(x) for n, x in t.tensors.items()}, dict(t.dtypes)))
+            spans.append(_data_span(t))
     slices = [Slice(r.ring, r.epoch, r.rank, g.step, g.expected_ranks, r.rank_parts, int(r.tensor.kind), r.tensor.layer,
                     r.dtype, r.slice_start, r.slice_stop, r.full_dim, r.num_prompt_tokens, Array.of(r.positions),
                     Array.of(r.token_ids), Array.of(r.data))
@@ -223,7 +251,37 @@ def export(a: Assembly) -> InFlight:
     return InFlight(
         a.request_id, a.tap_key, a.num_prompt_tokens, a.lazy, a.source, _meta(a.begin, a.spec), _meta(a.end, a.spec),
         a.spec.to_meta() if a.spec is not None else None, a.tail, a.start, a.frontier, a.stop, a.max_seen,
-        sorted(a.sources), a.cut, a.hold, spans, slices, a.shed)
+        sorted(a.sources), a.cut, a.hold, spans, slices, a.shed, _delivered(list(history), a.frontier))
+
+
+def _span(held: HeldSpan, instance: str, c: InFlight, now: float) -> Span:
+    if held.positions is None:
+        return Span(held.start, held.stop, None, held.reason)
+    pos, ids = held.positions.array(), held.token_ids.array() if held.token_ids is not None else None
+    if len(pos) != held.stop - held.start or (ids is not None and len(ids) != len(pos)):
+        raise ValueError(f"a span [{held.start}, {held.stop}) of {len(pos)} positions")
+    tensors = {name: x.array() for name, x in held.tensors.items()}
+    if any(len(x) != len(pos) for x in tensors.values()):
+        raise ValueError(f"a span [{held.start}, {held.stop}) with tensors of other lengths")
+    return Span(held.start, held.stop, Tokens(instance, c.request_id, pos, ids, c.num_prompt_tokens, tensors,
+                                              dict(held.dtypes), now))
+
+
+def _previous(c: InFlight, start: int, instance: str, now: float) -> list[Span]:
+    """[start, frontier): what the previous daemon delivered, in order; where it no longer held it, a
+    Gap NOT_CAPTURED_PREVIOUS."""
+    out: list[Span] = []
+    at = start
+    for held in sorted(c.delivered, key=lambda h: h.start):
+        if held.start < at or held.stop > (c.frontier or 0) or held.stop <= held.start:
+            raise ValueError(f"delivered span [{held.start}, {held.stop}) outside [{at}, {c.frontier})")
+        if held.start > at:
+            out.append(Span(at, held.start, None, NOT_CAPTURED_PREVIOUS))
+        out.append(_span(held, instance, c, now))
+        at = held.stop
+    if c.frontier is not None and at < c.frontier:
+        out.append(Span(at, c.frontier, None, NOT_CAPTURED_PREVIOUS))
+    return out
 
 
 def _control(meta: dict[str, Any], kind: type[ControlMeta]) -> ControlMeta:
@@ -235,21 +293,13 @@ def _control(meta: dict[str, Any], kind: type[ControlMeta]) -> ControlMeta:
 def resume(c: InFlight, instance: str, tally: Tally, now: float
            ) -> tuple[Assembly, ControlRecord | None, list[ring_records.Slice]]:
     """The Assembly a handed-over capture continues as (the positions the previous daemon delivered
-    first, as one Gap NOT_CAPTURED_PREVIOUS, then what it held), its END record (None if it had
-    none), and its pending slices to feed again. Raises ring_schema.Rejected, ValueError, KeyError
+    first, as it delivered them, then what it held), its END record (None if it had none), and its
+    pending slices to feed again. Raises ring_schema.Rejected, ValueError, KeyError
     or TypeError for a capture that cannot be continued."""
     begin = control_record(_control(c.begin, BeginMeta), c.request_id, tap_key=c.tap_key) \
         if c.begin is not None else None
     end = control_record(_control(c.end, EndMeta), c.request_id, tap_key=c.tap_key) if c.end is not None else None
-    spans = []
-    for held in c.spans:
-        if held.positions is None:
-            spans.append(Span(held.start, held.stop, None, held.reason))
-        else:
-            pos, ids = held.positions.array(), held.token_ids.array() if held.token_ids is not None else None
-            tensors = {name: x.array() for name, x in held.tensors.items()}
-            spans.append(Span(held.start, held.stop, Tokens(instance, c.request_id, pos, ids, c.num_prompt_tokens,
-                                                           tensors, dict(held.dtypes), now)))
+    spans = [_span(held, instance, c, now) for held in c.spans]
     slices = [ring_records.Slice(
         request_id=c.request_id, tap_key=c.tap_key, step=sl.step, rank=sl.rank,
         expected_ranks=sl.expected_ranks, rank_parts=sl.rank_parts, tensor=TensorId.of(rf.TensorKind(sl.kind), sl.layer),
@@ -269,7 +319,8 @@ def resume(c: InFlight, instance: str, tally: Tally, now: float
     if start is not None:
         a.start = a.frontier = a.first_frontier = start
         if c.frontier is not None and c.frontier > start:  # delivered by the previous daemon
-            push(a, Span(start, c.frontier, None, NOT_CAPTURED_PREVIOUS))
+            for span in _previous(c, start, instance, now):
+                push(a, span)
     if end is not None:
         a.stop = c.stop
     for span in spans:

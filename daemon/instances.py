@@ -114,7 +114,9 @@ class Instances:
     def hand_over(self, state_dir: str) -> None:
         """A graceful stop: what was read of the captures in flight and not delivered, for the next daemon."""
         try:
-            state = {inst: reasm.export_state() for inst, reasm in self._reasm.items()}
+            budget = [handover.MAX_DELIVERED_BYTES]
+            state = {inst: reasm.export_state(lambda rid, inst=inst: self._history(inst, rid, budget))
+                     for inst, reasm in self._reasm.items()}
             n = handover.write(state_dir, state)
         except Exception as e:  # a stop must complete whatever this finds
             log.error("cannot hand the captures in flight over to the next daemon (%s): they end with it", e,
@@ -122,6 +124,14 @@ class Instances:
             return
         if n:
             log.info("handed %d captures in flight over to the next daemon", n)
+
+    def _history(self, instance: str, request_id: str, budget: list[int]) -> list:
+        """What was delivered of a capture in flight, while `budget` (bytes, spent here) lasts."""
+        entry = self._store.get((instance, request_id))
+        if entry is None or entry.end is not None or entry.nbytes > budget[0]:
+            return []
+        budget[0] -= entry.nbytes
+        return entry.history
 
     def take_handover(self, state_dir: str, now: float) -> None:
         taken = handover.take(state_dir)

@@ -69,7 +69,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections import OrderedDict
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -323,13 +323,14 @@ class Reassembler:
 
     # -- handover (a graceful stop to the next daemon; the codec is daemon/handover.py) --
 
-    def export_state(self) -> list[ho.InFlight]:
-        """Every capture in flight: what was read of it and not delivered (metadata, held data)."""
-        return [ho.export(a) for a in self._requests.values()]
+    def export_state(self, history: Callable[[str], list[Event]] = lambda rid: []) -> list[ho.InFlight]:
+        """Every capture in flight: what was read of it and not delivered (metadata, held data), and
+        what was delivered (history(request_id): the events filed for it)."""
+        return [ho.export(a, history(a.request_id)) for a in self._requests.values()]
 
     def restore(self, captures: list[ho.InFlight], now: float) -> list[Event]:
-        """Continue captures a previous daemon handed over: the positions it delivered come first as
-        one Gap NOT_CAPTURED_PREVIOUS, then what it held, then what the rings bring."""
+        """Continue captures a previous daemon handed over: the positions it delivered come first (as it
+        delivered them), then what it held, then what the rings bring."""
         out: list[Event] = []
         for c in captures:
             if c.request_id in self._requests:

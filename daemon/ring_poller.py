@@ -6,8 +6,10 @@ read.
 It owns the open rings, the ring directory and the doorbell; nothing else touches them. Its rules
 (daemon/server.py says them for the whole daemon): a ring's bytes are decoded against a schema; a
 ring that changes under the daemon is dropped with one line and its captures end; a writer's death
-ends its captures after what its ring still holds is read; each ring is read a bounded amount per
-round. After each poll of a ring its target is told how far its writer had written and how far it
+ends its captures after what its ring (and the instance's other rings of dead writers) still holds
+is read, in turns like any backlog; each ring is read a bounded amount per
+turn, and a turn's reading takes a few milliseconds (READ_TURN_S), so requests are answered while
+the daemon catches up. After each poll of a ring its target is told how far its writer had written and how far it
 is read (`ring_read`: the captures whose Barrier that passes end), and when a ring is no longer
 read (`ring_closed`).
 """
@@ -42,7 +44,14 @@ DISCOVERY_WALK = 4096  # directory entries looked at per discovery round
 DISCOVERY_OPENS = 256  # candidate files tried per discovery round
 RECENT_WRITE_NS = 10 * 10**9  # a ring written this recently counts as alive even if its pid is not
 # visible (a writer in another pid namespace)
-READ_BUDGET_BYTES = 16 << 20  # per ring per round, so one busy ring cannot starve the others
+READ_BUDGET_BYTES = 16 << 20  # per ring per turn, so one busy ring cannot starve the others
+# A turn's reading stops once it has taken READ_TURN_S (each ring still gets one chunk a turn), so the
+# loop answers requests between turns while it catches up on a backlog of thousands of steps. A
+# chunk is what one poll of a ring reads: few enough records that handling them takes milliseconds,
+# many enough that decode steps still join (daemon/step_runs.py).
+READ_TURN_S = 0.005
+READ_CHUNK_RECORDS = 256
+READ_CHUNK_BYTES = 4 << 20
 LOG_FIRST = 20  # refused ring files logged one by one; then a count per minute
 KEEP_BROKEN = 100  # rings dropped because they changed under the daemon, remembered for `status`
 
@@ -94,6 +103,8 @@ class OpenRing:
     dir_fd: int
     alive: bool = True
     gone: bool = False  # writer_gone reported
+    draining: bool = False  # its writer is gone: writer_gone is reported once it is read to its end ...
+    drained: bool = False  # ... and so are the instance's other rings whose writers are gone
     checked: float = 0.0
     pidfd: int | None = None
     exited_at_cursor: int | None = None  # where the ring was when its writer's pidfd said it exited
@@ -195,11 +206,22 @@ class RingPoller:
             except OSError:
                 pass
 
-    def read(self) -> bool:
-        """Poll every ring once (a bounded amount each); True if anything was read."""
+    def read(self, budget_s: float = READ_TURN_S) -> bool:
+        """One turn: every ring in order, chunk by chunk until it is read to its end, READ_BUDGET_BYTES
+        of it are read or the turn has taken `budget_s` (after that, one chunk for each ring left);
+        True if anything was read."""
         got = 0
+        deadline = time.monotonic() + budget_s
         for ring in list(self._order):
-            got += self._poll_ring(ring)
+            start = ring.reader.read_cursor
+            while True:
+                n = self._poll_ring(ring)
+                got += n
+                if not n and (ring.draining or ring.drained) and ring.key in self._rings:
+                    self._drained(ring, time.monotonic())
+                if (not n or ring.key not in self._rings or time.monotonic() >= deadline
+                        or ring.reader.read_cursor - start >= READ_BUDGET_BYTES):
+                    break
         return got > 0
 
     def discover(self, now: float) -> None:
@@ -316,9 +338,6 @@ class RingPoller:
 
     def _writer_exited(self, ring: OpenRing, now: float) -> None:
         self._unwatch_writer(ring)
-        self._drain(ring)  # what it committed before it died still counts
-        if ring.key not in self._rings:
-            return
         self.counters.writers_exited += 1
         try:
             ring.exited_at_cursor = ring.reader.write_cursor()
@@ -326,9 +345,25 @@ class RingPoller:
             ring.exited_at_cursor = None
         ring.alive = False
         if not ring.gone:
-            ring.gone = True
             log.info("writer %d of %s exited", ring.reader.writer_pid, ring.path)
-            self._facts.writer_gone(ring.instance, ring.reader.name, now, WRITER_GONE)
+            ring.draining = True  # what it committed before it died still counts: read in turns, then gone
+
+    def _drained(self, ring: OpenRing, now: float) -> None:
+        """A ring whose writer is gone, read to its end. Its writer is reported gone once every ring
+        of the instance whose writer is gone is read to its end: the engine ring is small and read
+        first, and its writer gone ends the instance's captures, while what the workers wrote before
+        they died may still be in their rings (one process may write both)."""
+        ring.draining = False
+        ring.drained = True
+        same = [r for r in self._order if r.instance == ring.instance]
+        if any(r.draining for r in same):
+            return
+        for r in same:
+            if r.drained:
+                r.drained = False
+                if not r.gone:
+                    r.gone = True
+                    self._facts.writer_gone(r.instance, r.reader.name, now, WRITER_GONE)
 
     def _written_after_exit(self, ring: OpenRing) -> None:
         """A ring still written after its writer's pid exited: the pid was another process (the writer
@@ -342,6 +377,7 @@ class RingPoller:
                         "Run the daemon in vLLM's.", ring.path, ring.reader.writer_pid)
             ring.exited_at_cursor = None
             ring.gone = False
+            ring.draining = ring.drained = False
             ring.alive = True
 
     def _check_alive(self, ring: OpenRing, now: float) -> None:
@@ -353,13 +389,12 @@ class RingPoller:
                 last = 0
             alive = last > 0 and time.time_ns() - last < RECENT_WRITE_NS
         ring.alive = alive
-        if not alive and not ring.gone:
-            ring.gone = True
+        if not alive and not ring.gone and not ring.draining and not ring.drained:
             log.info("writer %d of %s is gone", ring.reader.writer_pid, ring.path)
-            self._drain(ring)
-            self._facts.writer_gone(ring.instance, ring.reader.name, now, WRITER_GONE)
+            ring.draining = True  # read in turns, then gone (_drained)
         elif alive:
             ring.gone = False
+            ring.draining = ring.drained = False
 
     # -- closing --
 
@@ -396,7 +431,7 @@ class RingPoller:
 
     def _poll_ring(self, ring: OpenRing) -> int:
         try:
-            recs = ring.reader.poll(max_bytes=READ_BUDGET_BYTES)
+            recs = ring.reader.poll(max_records=READ_CHUNK_RECORDS, max_bytes=READ_CHUNK_BYTES)
         except (RingBroken, OSError) as e:
             self._break(ring, time.monotonic(), str(e))
             return 0

@@ -13,6 +13,8 @@ What the daemon survives, and how (docs/operate.md says the same for operators):
   reason. A ring file that changes size under the daemon is dropped with one line, counted, and its
   captures end; rings are read with pread, never mapped, so nothing in a ring can fault the daemon.
 - Rings are found through inotify without following links, a bounded amount of work per round.
+- A backlog: the rings are read a few milliseconds a round (ring_poller.READ_TURN_S) and requests
+  are answered between rounds, so a daemon catching up after a restart stays reachable.
 - Writers: each ring's writer is watched through a pidfd (kill(pid, 0) where there is none); its
   death ends its captures within a second, after what its ring still holds is read.
 - Connections: the descriptor limit is raised to the hard limit; connections are capped per peer

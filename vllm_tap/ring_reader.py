@@ -487,8 +487,8 @@ class RingReader:
             if h.kind != rf.RecordKind.DATA or ring_schema.body_offsets(h)[4] > total:
                 return
             layout = self._layout(at, h, head)
-            if layout is None or not layout.all_whole:
-                return
+            if layout is None or not layout.all_whole or not layout.contiguous:
+                return  # captures' rows interleaved: its sections land in pieces, which poll reads with preadv
             landing = land(layout, self.destination)
             if not landing.placed or landing.block is None:  # per-capture arrays, not one block: poll reads it
                 return

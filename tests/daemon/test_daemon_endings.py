@@ -203,9 +203,9 @@ def test_captures_end_after_the_daemon_is_stopped_resumed_and_stopped_again_then
     """SIGSTOP while captures run; the engine finishes them all (ENDs included) and goes idle; SIGCONT,
     and 30-100 ms later, in the middle of reading the backlog, SIGKILL or SIGTERM; a new daemon.
     Every capture the new daemon sees ends within a bounded time although nothing but the engine's
-    LIVE timer writes. A SIGTERM loses nothing a restart could deliver: the END of every capture
-    arrives (handed over when the stopped daemon had read it), and the only gap is the head the
-    stopped daemon delivered. (Before: captures whose END the first daemon had read waited forever,
+    LIVE timer writes. A SIGTERM loses nothing: the END of every capture arrives (handed over when
+    the stopped daemon had read it), and so does every position the stopped daemon had delivered
+    (its history goes over with the handover); a capture it had finished went with it. (Before: captures whose END the first daemon had read waited forever,
     `ended: false`, even with every position delivered.)"""
     sc = Scenario(tp=2, n_requests=6, prompt_len=8, gen_len=40, chunk=8, vocab=1 << 17, hidden=64,
                   ring_bytes=128 << 20)
@@ -239,11 +239,15 @@ def test_captures_end_after_the_daemon_is_stopped_resumed_and_stopped_again_then
         pos = cap.positions.tolist()
         assert pos == sorted(pos) and not set(pos) & set(cap.missing_positions), rid
         assert sorted(pos + list(cap.missing_positions)) == list(range(sc.end_position)), rid
-        if pos:  # what came is what was written, and it is a tail: the head went with the first daemon
+        if pos and second_stop == "SIGKILL":  # what came is what was written, and it is a tail: the
+            # head went with the first daemon
             assert cap.logits.tobytes() == exp["logits"][pos[0]:].tobytes(), rid
             assert pos == list(range(pos[0], sc.end_position)), rid
         if second_stop == "SIGTERM":
             assert cap.finish_reason == "length" and cap.end_position == sc.end_position, (rid, cap.finish_reason)
+            # What the stopped daemon had delivered went over with the handover: nothing is missing.
+            assert cap.complete and pos == list(range(sc.end_position)), (rid, cap.missing_positions.ranges)
+            assert cap.logits.tobytes() == exp["logits"].tobytes(), rid
         else:
             assert cap.finish_reason in ("length", END_LOST), (rid, cap.finish_reason)
 
@@ -320,3 +324,31 @@ def test_a_backlog_read_long_after_its_ends_arrives_whole_with_no_timeout(daemon
     assert s["drops"]["missing_positions"] == 0 and s["reassembly"]["late_records"] == 0, s["reassembly"]
     assert not any(s["gap_positions"].values()) and s["requests_waiting_for_rings"] == 0
     assert s["pending_bytes"] == 0 and s["pending_s"] == 0 and all(r["pending_s"] == 0 for r in s["rings"])
+
+def test_a_capture_whose_head_and_end_went_with_a_killed_daemon_lists_the_head_as_missing(daemon_factory, shm_dir):
+    """A daemon reads a capture's BEGIN and its first positions and is killed (SIGKILL); the END is
+    lost too (the killed daemon read it, or the engine could not write it). The next daemon meets
+    the capture half way, and its end `end lost`: every position of the head is in
+    `missing_positions`, so positions + missing_positions is the expected range, and the end is
+    marked unknown. (Before: a fetch's subscription that resumed after the daemon's silence got an
+    End listing what was missing from where it resumed, and the head it had been sent as a Gap was
+    left out.)"""
+    sc = Scenario(tp=2, n_requests=1, prompt_len=8, gen_len=12, chunk=4)
+    d = daemon_factory(end_grace_s=0.5)
+    eng = SyntheticEngine(sc, shm_dir)
+    eng.end = lambda i: None
+    eng.begin()
+    for _ in range(5):
+        eng.run_step()  # positions 0..10
+    _wait(lambda: _read_everything(d, sc), what="the first daemon to read 0..10")
+    d.kill()
+    while eng.run_step():  # 11..18, written while no daemon runs
+        pass
+    eng.live([])
+    d.start()
+    time.sleep(0.3)
+    eng.live([])
+    cap = d.client().fetch(sc.request_id(0), timeout=30)
+    assert cap.finish_reason == END_LOST and not cap.complete and not cap.end_known and cap.expected == (0, 19)
+    assert cap.positions.tolist() == list(range(11, sc.end_position))
+    assert list(cap.missing_positions) == list(range(11)), cap.missing_positions

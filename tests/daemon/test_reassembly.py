@@ -655,6 +655,46 @@ def test_a_shed_capture_handed_over_to_the_next_daemon_still_ends_as_one_overloa
     _one_overloaded_gap(ev, 5)
 
 
+def test_a_handover_carries_what_the_stopping_daemon_delivered_and_the_next_delivers_it_again():
+    """A graceful stop mid-capture: the positions already delivered (the history the stopping daemon
+    filed) go over with the handover, so a subscriber of the next daemon gets them as they were,
+    then what was held, then what the rings bring: no position lost, none twice. Where the history
+    no longer holds some (retention), those are one Gap NOT_CAPTURED_PREVIOUS."""
+    import msgspec
+
+    from vllm_tap.daemon import handover as ho
+
+    for keep in (slice(None), slice(1, None)):
+        first = Reassembler()
+        history = feed(first, begin(n_prompt=2), data(0, [0, 1]), data(1, [2]), data(2, [3]))
+        assert delivered(history) == [0, 1, 2]  # 3 is held back (HOLD_NEWEST)
+        filed = [e for e in history if isinstance(e, (Tokens, Gap))][keep]
+        blob = msgspec.msgpack.encode(first.export_state(lambda rid: filed))
+        second = Reassembler()
+        ev = second.restore(msgspec.msgpack.decode(blob, type=list[ho.InFlight]), 1.0)
+        ev += feed(second, data(3, [4]), end(5, n_prompt=2), now=1.0)
+        assert delivered(ev) == ([0, 1, 2, 3, 4] if keep.start is None else [2, 3, 4])
+        assert gaps(ev) == ([] if keep.start is None else [([0, 1], NOT_CAPTURED_PREVIOUS)])
+        toks = [e for e in ev if isinstance(e, Tokens)]
+        got = np.concatenate([t.tensors["logits"] for t in toks])
+        assert got.tobytes() == vals("logits", delivered(ev), 0, V).tobytes()
+        e = the_end(ev)
+        assert e.complete == (keep.start is None) and e.missing_positions == ([] if keep.start is None else [0, 1])
+
+
+def test_a_handover_whose_delivered_spans_overlap_is_refused_for_that_capture_alone():
+    import msgspec
+
+    from vllm_tap.daemon import handover as ho
+
+    first = Reassembler()
+    history = feed(first, begin(n_prompt=2), data(0, [0, 1]), data(1, [2]), data(2, [3]))
+    filed = [e for e in history if isinstance(e, Tokens)]
+    state = first.export_state(lambda rid: filed + filed)  # the same positions twice: not what a daemon writes
+    ev = Reassembler().restore(msgspec.msgpack.decode(msgspec.msgpack.encode(state), type=list[ho.InFlight]), 1.0)
+    assert ev == []
+
+
 # -- a capture's end waits for its rings to be read, not for a clock --
 
 R0, R1 = "rank-00000.ring", "rank-00001.ring"

@@ -60,6 +60,8 @@ def test_bench_ingest_quick(tmp_path):
         assert row["dropped"] == 0 and row["sections"], row  # the writer waits for room: nothing lost
         assert row["complete"] and row["missing_positions"] == row["late_records"] == 0, row
         assert row["steps_per_s"] > 0 and row["copy_gbps"] > 0 and row["daemon_cpu_s_warm"] >= 0, row
+        # status was asked while the daemon read behind its ring, and answered (how fast is the bench's to say)
+        assert row["status_unanswered"] == 0 and math.isfinite(row["status_p99_ms"]), row
     assert {(t["shape"], t["requests"]) for t in r["trials"]} == {
         ("logits", 64), ("logits-dma", 64), ("topk", 64), ("topk", 16)}
     # The captures sweep: the daemon's CPU per step against a step's rows, fitted through 16 and 64.

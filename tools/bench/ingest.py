@@ -30,6 +30,11 @@ its capture had ended (a daemon far behind its rings ends captures at their END'
 drops their late data: fast, and no ingest). Targets: logits ingest ≥ 50 % of the copy rate;
 topk ≥ 5,000 steps/s (a fast GPU decodes ~200–1,000 steps/s).
 
+Also measured in every trial: how fast the daemon answers `status` while it reads at full pace (the
+writer waits for room, so the ring is behind all along): a client asks every 20 ms over the measured
+window, each question on a new connection as a launcher asks; the p99 of its answers is reported
+against the target of 100 ms (the daemon reads a bounded turn, then serves its clients).
+
 The captures sweep: top-k also with `sweep` other numbers of captures decoding at once (16 and 256
 by default), so the daemon's CPU per step can be read against a step's rows: what a record costs
 whatever its rows is the intercept, what each capture adds the slope (`captures_fit`).
@@ -55,6 +60,42 @@ MiB = 1 << 20
 SHAPES = ("logits", "logits-dma", "topk")  # logits-dma: full logits, the writer leaves each payload unwritten
 TARGET_COPY_SHARE = 0.5
 TARGET_TOPK_STEPS = 5000.0
+TARGET_STATUS_P99_S = 0.1
+STATUS_EVERY_S = 0.02
+
+
+class StatusProbe:
+    """Asks `status` every STATUS_EVERY_S from a thread of its own and keeps how long each answer took."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]]):
+        import threading
+
+        self._status = status
+        self._stop = threading.Event()
+        self.seconds: list[float] = []
+        self.unanswered = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "StatusProbe":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(STATUS_EVERY_S):
+            t = time.perf_counter()
+            try:
+                self._status()
+            except Exception:  # noqa: BLE001 - an unanswered question is what this counts
+                self.unanswered += 1
+                continue
+            self.seconds.append(time.perf_counter() - t)
+
+    def p99_ms(self) -> float:
+        return float(np.percentile(self.seconds, 99)) * 1e3 if self.seconds else float("nan")
 
 
 @dataclass
@@ -234,10 +275,11 @@ def _trial(shape: str, p: IngestParams, daemon_pid: int, shm: str, tag: str,
     try:
         assert results.get(timeout=900) == {"warm": True}
         cpu0, wcpu0 = tree_cpu_seconds(daemon_pid), proc_cpu_seconds(proc.pid)
-        got = results.get(timeout=900)
-        deadline = time.monotonic() + 600
-        while read_info(got["ring"]).backlog_bytes and time.monotonic() < deadline:
-            time.sleep(0.001)
+        with StatusProbe(lambda: status(timeout=5.0)) as probe:
+            got = results.get(timeout=900)
+            deadline = time.monotonic() + 600
+            while read_info(got["ring"]).backlog_bytes and time.monotonic() < deadline:
+                time.sleep(0.001)
         t_end = time.perf_counter()  # CLOCK_MONOTONIC, as the writer's stamps
         cpu = tree_cpu_seconds(daemon_pid) - cpu0
         wcpu = proc_cpu_seconds(proc.pid) - wcpu0  # it waits for `close` once it has written all
@@ -258,7 +300,10 @@ def _trial(shape: str, p: IngestParams, daemon_pid: int, shm: str, tag: str,
             "complete": not any(lost.values()),
             # Where the daemon put what it read: its delivery arena, or the heap when the arena was full.
             "arena_share": allocs / (allocs + fallbacks) if allocs + fallbacks else float("nan"),
-            "sections": got["sections"]}
+            "sections": got["sections"],
+            # How long `status` took to answer while the daemon read behind its ring.
+            "status_p99_ms": probe.p99_ms(), "status_asked": len(probe.seconds) + probe.unanswered,
+            "status_unanswered": probe.unanswered}
 
 
 def run(p: IngestParams, workdir: str, echo=print) -> dict[str, Any]:
@@ -292,7 +337,8 @@ def run(p: IngestParams, workdir: str, echo=print) -> dict[str, Any]:
                  f"{row['daemon_cpu_s_per_gb']:.2f} CPU s/GB (warm-up {row['daemon_cpu_s_warm']:.2f} s), "
                  f"{row['dropped']} dropped, {row['missing_positions']} positions missing, {row['late_records']} late "
                  f"records, {100 * row['arena_share']:.0f} % into the arena, cores used: daemon {row['daemon_cores']:.2f}, writer "
-                 f"{row['writer_cores']:.2f} of {os.cpu_count()}")
+                 f"{row['writer_cores']:.2f} of {os.cpu_count()}; status answered in {row['status_p99_ms']:.1f} ms p99 "
+                 f"({row['status_unanswered']} of {row['status_asked']} unanswered)")
     summary = summarise(trials)
     return {"params": asdict(p), "trials": trials, "summary": summary, "captures_fit": captures_fit(summary),
             "loadavg_start": load0, "loadavg_end": loadavg(), "seconds": time.time() - t0}
@@ -310,6 +356,8 @@ def summarise(trials: list[dict[str, Any]]) -> dict[str, Any]:
         out[label] = {k: median(t[k] for t in ts) for k in
                       ("steps_per_s", "gbps", "share_of_copy", "copy_gbps", "daemon_cpu_s_per_gb", "daemon_cpu_s_per_kstep",
                        "daemon_cpu_s_warm", "arena_share", "daemon_cores", "writer_cores")}
+        out[label]["status_p99_ms"] = max(t.get("status_p99_ms", float("nan")) for t in ts)
+        out[label]["status_unanswered"] = sum(t.get("status_unanswered", 0) for t in ts)
         out[label]["steps_range"] = spread(t["steps_per_s"] for t in ts)
         out[label]["dropped"] = sum(t["dropped"] for t in ts)
         out[label]["missing_positions"] = sum(t["missing_positions"] for t in ts)
@@ -349,6 +397,10 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             out.append({"part": "ingest", "target": f"{row.get('requests', 64)} × top-{res['params']['topk']}: ≥ {TARGET_TOPK_STEPS:,.0f} steps/s",
                         "measured": f"{row['steps_per_s']:,.0f} steps/s",
                         "met": row["complete"] and row["steps_per_s"] >= TARGET_TOPK_STEPS})
+        out.append({"part": "ingest", "target": f"{label}: status answered within {TARGET_STATUS_P99_S * 1e3:.0f} ms "
+                                                "(p99) while the daemon reads behind its ring",
+                    "measured": f"{row['status_p99_ms']:.1f} ms p99, {row['status_unanswered']} unanswered",
+                    "met": row["status_unanswered"] == 0 and row["status_p99_ms"] <= TARGET_STATUS_P99_S * 1e3})
     return out
 
 
