@@ -423,6 +423,56 @@ class RingReader:
         self._store_read_cursor(r)
         return out
 
+    def poll_raw(self, max_bytes: int) -> list[bytes]:
+        """Committed records as their bytes, undecoded (PADs skipped), at most `max_bytes` of them
+        (a record that does not fit stays for a later poll), advancing the persisted read cursor: what a peer daemon
+        forwards to the home daemon, which decodes them against the schema itself. RingBroken as poll."""
+        w = self.write_cursor()
+        self.written = w
+        self._stamp()
+        r = self._r
+        if w == r:
+            return []
+        cap = self.capacity
+        if w < r or w - r > cap or r % rf.ALIGN:
+            self._lose(r, w, f"write cursor {w} against read cursor {r} and capacity {cap}")
+            self._store_read_cursor(w)
+            return []
+        self.check()
+        out: list[bytes] = []
+        got = 0
+        head = bytearray(rf.RECORD_HEADER_SIZE)
+        while r + rf.RECORD_HEADER_SIZE <= w and got < max_bytes:
+            at = r % cap
+            n = os.preadv(self._fd, [head], rf.HEADER_SIZE + at)
+            if n != len(head):
+                raise self._short(n, len(head), rf.HEADER_SIZE + at)
+            magic, total = rf.PAD_HEADER.unpack_from(head, 0)
+            if total < rf.ALIGN or total % rf.ALIGN or total > cap - at or total > w - r:
+                self._lose(r, w, f"bad record length {total}")
+                r = w
+                break
+            if magic == b"PAD\x00":
+                r += total
+                continue
+            if magic != rf.RECORD_MAGIC or got + total > max_bytes:
+                if magic != rf.RECORD_MAGIC:
+                    self._lose(r, w, f"bad record magic {bytes(magic)!r}")
+                    r = w
+                break
+            rec = bytearray(total)
+            n = os.preadv(self._fd, [rec], rf.HEADER_SIZE + at)
+            if n != total:
+                raise self._short(n, total, rf.HEADER_SIZE + at)
+            out.append(bytes(rec))
+            got += total
+            r += total
+        if w - r < rf.ALIGN and r != w:  # never a record: a cursor off the record boundaries
+            self._lose(r, w, f"write cursor {w} is not on a record boundary")
+            r = w
+        self._store_read_cursor(r)
+        return out
+
     def _layout(self, at: int, h: "ring_schema.Header", have: np.ndarray) -> "ring_schema.DataLayout | None":
         """A large DATA record's layout, from `have` (what was read of it) or a read of its prefix."""
         prefix_len = ring_schema.body_offsets(h)[4]
