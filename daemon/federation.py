@@ -233,10 +233,14 @@ class RingRead:
 
 @dataclass(frozen=True)
 class RingLost:
+    """A peer's ring no longer reports: its writer is gone (the peer said so), or the whole session
+    ended (`session`: then nothing more comes from any of the peer's ranks)."""
+
     instance: str
     ring: str
     reason: str
     closed: bool
+    session: bool = False
 
 
 @dataclass(frozen=True)
@@ -378,4 +382,4 @@ class HomeProtocol:
         self.sessions_ended += 1
         self.ended_reasons[reason] = self.ended_reasons.get(reason, 0) + 1
         for ring_id, ring in s.rings.items():
-            out.append(RingLost(ring.instance, s.ring_name(ring_id), reason, True))
+            out.append(RingLost(ring.instance, s.ring_name(ring_id), reason, True, session=True))

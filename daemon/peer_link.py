@@ -274,7 +274,7 @@ class HomeLink:
             elif type(f) is RingRead:
                 inst.ring_read(f.instance, f.ring, f.read, f.written, now)
             elif type(f) is RingLost:
-                if f.ring in self._caches:  # it sent records: captures may wait on its ranks
+                if f.session and f.ring in self._caches:  # it sent records: captures may wait on its ranks
                     inst.ranks_lost(f.instance, f.ring, now, f.reason)
                 else:
                     inst.writer_gone(f.instance, f.ring, now, f.reason)

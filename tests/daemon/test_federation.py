@@ -77,7 +77,10 @@ class TwoHosts:
                 self.events += self.r.ring_read(f.ring, f.read, f.written, now)
             elif isinstance(f, RingLost):
                 self.lost.append(f)
-                self.r.ranks_lost(f.ring, now, f.reason)
+                if f.session:
+                    self.r.ranks_lost(f.ring, now, f.reason)
+                else:
+                    self.r.writer_gone(f.ring, now, f.reason)
                 if f.closed:
                     self.events += self.r.ring_closed(f.ring, now)
 
