@@ -214,7 +214,7 @@ class HomeLink:
         self._sock: zmq.Socket | None = None
         self._caches: dict[str, ring_schema.TableCache] = {}
         self.destination: Any = None  # where DATA payloads land (the daemon's arena); None: the heap
-        self.placements: dict[tuple[str, str], Any] = {}  # (instance, ring) -> Placement of peers' rings
+        self.placements: dict[tuple[str, str], Any] = {}  # (instance, ring) -> (rank, Placement) of peers' rings
         self.rejected = 0
         self.malformed = 0
         self._logs = LOG_FIRST
@@ -288,7 +288,7 @@ class HomeLink:
                         where = placement_format.decode(f.placement)
                     except Exception as e:  # noqa: BLE001 - untrusted bytes: msgspec's errors
                         self._say("peer %s ring %s: bad placement (%s)", f.host, f.ring, e)
-                self.placements[(f.instance, f.ring)] = where
+                self.placements[(f.instance, f.ring)] = (f.rank, where)
                 log.info("peer daemon %s: reading ring %s of instance %s (rank %d of %d)", f.host, f.ring,
                          f.instance, f.rank, f.world_size)
 

@@ -77,6 +77,7 @@ from .peer_link import HomeLink, PeerLink, link_of
 from .peers import Peers
 from .pins import Pins
 from .destination import ArenaDestination
+from .engine_check import EngineCheck, placements_of
 from .ring_poller import RingPoller
 from .sequence import SequenceCounter
 from .status import StatusView
@@ -160,6 +161,7 @@ class Daemon:
         self.rings.forward = self.link.forward if isinstance(self.link, PeerLink) else None
         self.status = StatusView(self.endpoint, config.shm_dir, self.rings, self.instances, self.hub, self.store,
                                  self.watch)
+        self.engines = EngineCheck()  # world sizes and settings of engines across hosts (daemon/engine_check.py)
         self._last_discovery = self._last_tick = self._last_probe = self._last_liveness = -1e9
         self._fd_due = False
 
@@ -178,6 +180,7 @@ class Daemon:
         snap = self.status.snapshot(arena=self.arena, copier=self.copier, peers=self._peers, nofile=self.nofile)
         if self.link is not None:
             snap["federation"] = self.link.status()
+        snap["engines"] = self.engines.status(time.monotonic())
         return snap
 
     def run(self) -> None:
@@ -362,6 +365,7 @@ class Daemon:
             if now - self._last_liveness >= LIVENESS_INTERVAL_S:
                 self._last_liveness = now
                 rings.check_rings(now)
+                self.engines.observe(placements_of(rings.rings, self.link), now)
             if now - self._last_probe >= PROBE_INTERVAL_S:
                 self._last_probe = now
                 hub.probe()

@@ -20,6 +20,7 @@ import pytest
 import zmq
 
 from synthetic_writer import Scenario, SyntheticEngine, assert_capture, capture_arrays, plan
+from vllm_tap import placement
 from vllm_tap import ring_format as rf
 from vllm_tap.daemon.federation import PEER_GONE
 from vllm_tap.ring_files import ring_path
@@ -84,8 +85,10 @@ def two_host_engine(sc: Scenario, home_shm: str, peer_shm: str) -> SyntheticEngi
     """The synthetic engine with its second stage's ring in the peer host's shared memory."""
     eng = SyntheticEngine(sc, home_shm)
     eng.ranks[PEER_RANK].close(unlink=True)
+    where = placement.Placement(host="peer-host", address="127.0.0.2", node_rank=1, nnodes=2, instance=sc.instance,
+                                home="127.0.0.1:29500", world_size=sc.world, pp_rank=1, pp_size=2, settings="s1")
     eng.ranks[PEER_RANK] = RingWriter(ring_path(peer_shm, sc.instance, PEER_RANK), sc.ring_bytes, rank=PEER_RANK,
-                                      world_size=sc.world, mode=0o600)
+                                      world_size=sc.world, mode=0o600, placement=placement.encode(where))
     return eng
 
 
@@ -111,6 +114,10 @@ def test_a_capture_across_two_daemons_is_whole_and_a_killed_peer_is_gaps_then_a_
             cap = client.fetch(sc.request_id(i), timeout=20)
             assert not cap.missing_positions, cap.missing_positions
             assert_capture(sc, i, capture_arrays(cap))
+        # The peer's ring's placement came with its records: the home knows where rank 1 runs.
+        wait_until(lambda: home.status()["engines"], 10, "the engine check")  # about once a second
+        [engine] = home.status()["engines"]
+        assert engine["world_size"] == 2 and engine["ranks_reporting"] == [1] and engine["hosts"] == ["peer-host"]
     finally:
         eng.close()
 
