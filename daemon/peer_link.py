@@ -27,7 +27,7 @@ from vllm_tap import federation_format as ff
 from vllm_tap import placement as placement_format
 from vllm_tap import ring_schema
 
-from .curve import CurveError, load_secret
+from .curve import CurveError, _check_private, load_secret
 from .federation import (HomeProtocol, Outgoing, PeerProtocol, PeerState, Records, Reply, RingAdded,
                          RingLost, RingRead)
 
@@ -73,6 +73,7 @@ class PeerLink:
         home_key, own_key = self._key_paths
         self._home_public = load_public(home_key)
         self._public, self._secret = load_secret(own_key, "federation_key")
+        _check_private(own_key, what="federation_key", secret=True)
         log.info("a peer of the home daemon %s (federation, as %s)", self.home, self.proto.host)
 
     # -- the daemon's loop --
@@ -223,8 +224,10 @@ class HomeLink:
     def start(self) -> None:
         """Read the keys (CurveError: one line) and listen (zmq.ZMQError)."""
         self._public, self._secret = load_secret(self._own_key, "federation_key")
+        _check_private(self._own_key, what="federation_key", secret=True)
         if not os.path.isdir(self.peer_keys):
             raise CurveError(f"peer_keys {self.peer_keys} is not a directory")
+        _check_private(self.peer_keys, what="peer_keys directory", secret=False)
         self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger(__name__ + ".auth"))
         self._auth.start()
         self._auth.configure_curve(domain="*", location=self.peer_keys)

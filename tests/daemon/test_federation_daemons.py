@@ -177,12 +177,16 @@ def test_a_peer_without_its_keys_or_with_a_bad_home_does_not_start(tmp_path, shm
     keys = str(tmp_path / "keys")
     home_pub, _ = _keygen(keys, "home")
     _, peer_sec = _keygen(keys, "peer")
+    loose = os.path.join(keys, "loose.key_secret")
+    shutil.copy(peer_sec, loose)
+    os.chmod(loose, 0o644)
     base = [sys.executable, "-m", "vllm_tap.cli", "daemon", "--shm-dir", shm_dir, "--endpoint",
             f"ipc://{sock_dir}/p.sock", "--state-dir", os.path.join(sock_dir, "s")]
     cases = [(["--home", "tcp://127.0.0.1:1", "--home-key", home_pub], "federation_key"),
              (["--home", "127.0.0.1:1", "--home-key", home_pub, "--federation-key", peer_sec], "tcp://HOST:PORT"),
              (["--home", "tcp://127.0.0.1:1", "--federation-key", peer_sec], "home_key"),
-             (["--home", "tcp://127.0.0.1:1", "--home-key", home_pub, "--federation-key", home_pub], "secret")]
+             (["--home", "tcp://127.0.0.1:1", "--home-key", home_pub, "--federation-key", home_pub], "secret"),
+             (["--home", "tcp://127.0.0.1:1", "--home-key", home_pub, "--federation-key", loose], "chmod 600")]
     for args, says in cases:
         r = subprocess.run(base + args, capture_output=True, text=True, timeout=30)
         assert r.returncode != 0, (args, r.stderr)
