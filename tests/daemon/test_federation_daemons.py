@@ -104,7 +104,8 @@ def test_a_capture_across_two_daemons_is_whole_and_a_killed_peer_is_gaps_then_a_
     assert peer.status()["federation"]["state"] == "streaming"
 
     # 1. Whole through the home daemon, values exact.
-    sc = Scenario(n_requests=2, prompt_len=6, gen_len=3, tp=1, pp=2, layers=(0, 1), chunk=3, prefix="whole")
+    sc = Scenario(n_requests=2, prompt_len=6, gen_len=3, tp=1, pp=2, layers=(0, 1), chunk=3, prefix="whole",
+                  instance="first")
     eng = two_host_engine(sc, home.shm_dir, peer_shm)
     try:
         eng.run()
@@ -124,7 +125,7 @@ def test_a_capture_across_two_daemons_is_whole_and_a_killed_peer_is_gaps_then_a_
     # 2. The peer SIGKILLed after the prefill: the decode positions its stage wrote afterwards are
     # gaps saying why, and every capture ends soon after.
     sc = Scenario(n_requests=2, prompt_len=6, gen_len=3, tp=1, pp=2, layers=(0, 1), chunk=3, prefix="killed",
-                  ring_bytes=4 << 20)
+                  instance="second")
     eng = two_host_engine(sc, home.shm_dir, peer_shm)
     try:
         before = sum(p["records_in"] for p in peers_of(home))
@@ -158,7 +159,8 @@ def test_a_capture_across_two_daemons_is_whole_and_a_killed_peer_is_gaps_then_a_
     # 3. The peer restarted: it dials the home again, and later captures are whole.
     peer = start_peer()
     wait_until(lambda: len(peers_of(home)) == 1, 15, "the restarted peer's session")
-    sc = Scenario(n_requests=2, prompt_len=6, gen_len=3, tp=1, pp=2, layers=(0, 1), chunk=3, prefix="again")
+    sc = Scenario(n_requests=2, prompt_len=6, gen_len=3, tp=1, pp=2, layers=(0, 1), chunk=3, prefix="again",
+                  instance="third")
     eng = two_host_engine(sc, home.shm_dir, peer_shm)
     try:
         eng.run()
