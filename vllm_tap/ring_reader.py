@@ -348,25 +348,34 @@ class RingReader:
 
     # -- records --
 
+    def _span(self) -> tuple[int, int] | None:
+        """(read, write) cursors a poll reads between; None when there is nothing to read, or nothing
+        that can be trusted (RingBroken when the file changed size)."""
+        w = self.write_cursor()
+        self.written = w
+        self._stamp()
+        r = self._r
+        if w == r:
+            return None
+        if w < r or w - r > self.capacity or r % rf.ALIGN:
+            # Cursors a writer never makes: nothing between them can be trusted to be a record.
+            self._lose(r, w, f"write cursor {w} against read cursor {r} and capacity {self.capacity}")
+            self._store_read_cursor(w)
+            return None
+        self.check()
+        return r, w
+
     def poll(self, max_records: int = 1 << 30, max_bytes: int = 1 << 62) -> list[Record]:
         """Copy out committed records (up to the limits) and advance the persisted read cursor.
 
         Records that do not fit the schema are skipped and kept in `rejections` (each with its
         place among the records returned). RingBroken when the file changed under the reader (it
         must not be read any more)."""
-        w = self.write_cursor()
-        self.written = w
-        self._stamp()
-        r = self._r
-        if w == r:
+        span = self._span()
+        if span is None:
             return []
+        r, w = span
         cap = self.capacity
-        if w < r or w - r > cap or r % rf.ALIGN:
-            # Cursors a writer never makes: nothing between them can be trusted to be a record.
-            self._lose(r, w, f"write cursor {w} against read cursor {r} and capacity {cap}")
-            self._store_read_cursor(w)
-            return []
-        self.check()
         out: list[Record] = []
         start = r
         w_full = w
@@ -427,18 +436,11 @@ class RingReader:
         """Committed records as their bytes, undecoded (PADs skipped), at most `max_bytes` of them
         (a record that does not fit stays for a later poll), advancing the persisted read cursor: what a peer daemon
         forwards to the home daemon, which decodes them against the schema itself. RingBroken as poll."""
-        w = self.write_cursor()
-        self.written = w
-        self._stamp()
-        r = self._r
-        if w == r:
+        span = self._span()
+        if span is None:
             return []
+        r, w = span
         cap = self.capacity
-        if w < r or w - r > cap or r % rf.ALIGN:
-            self._lose(r, w, f"write cursor {w} against read cursor {r} and capacity {cap}")
-            self._store_read_cursor(w)
-            return []
-        self.check()
         out: list[bytes] = []
         got = 0
         head = bytearray(rf.RECORD_HEADER_SIZE)

@@ -247,3 +247,18 @@ def test_messages_are_decoded_against_their_bounds():
         ff.decode([b"\x93garbage"])
     with pytest.raises(ff.FormatError):
         ff.decode([ff.encode(ff.Hello(1, "h" * (ff.MAX_NAME + 1), 1))])
+
+
+def test_raw_polls_never_read_past_their_bytes_and_leave_the_rest_in_the_ring(tmp_path):
+    eng = SyntheticEngine(SC, str(tmp_path))
+    eng.run()
+    eng.close()
+    reader = RingReader(ring_path(str(tmp_path), SC.instance, PEER_RANK))
+    whole = RingReader(ring_path(str(tmp_path), SC.instance, PEER_RANK), writable=False).poll_raw(1 << 30)
+    first = reader.poll_raw(len(whole[0]) + len(whole[1]) - 1)
+    assert first == whole[:1] and reader.read_cursor < reader.written
+    assert reader.poll_raw(len(whole[1]) - 1) == []  # the next does not fit: it stays
+    assert first + reader.poll_raw(1 << 30) == whole and reader.read_cursor == reader.written
+    # The cursor went back into the file: a reader opened now (a restarted peer) starts after them.
+    again = RingReader(ring_path(str(tmp_path), SC.instance, PEER_RANK))
+    assert again.resumed and again.poll_raw(1 << 30) == []
