@@ -60,7 +60,7 @@ def hosts(tmp_path, shm_dir, sock_dir):
     port = _port()
     home = DaemonProcess(shm_dir, f"ipc://{sock_dir}/home.sock", os.path.join(sock_dir, "home.log"), {
         "federation_endpoint": f"tcp://127.0.0.1:{port}", "federation_key": home_sec, "peer_keys": str(peers),
-        "end_grace_s": 1.0, "state_dir": os.path.join(sock_dir, "home-state")})
+        "state_dir": os.path.join(sock_dir, "home-state")})
     made = [home]
 
     def peer() -> DaemonProcess:
