@@ -241,6 +241,10 @@ class HomeLink:
         self._sock = s
         log.info("taking peer daemons on %s (keys in %s)", self.endpoint, self.peer_keys)
 
+    def socket(self) -> zmq.Socket | None:
+        """What wakes the daemon's loop when a peer sends (records wait for no timer)."""
+        return self._sock
+
     def pump(self, now: float) -> bool:
         busy = False
         assert self._sock is not None

@@ -286,6 +286,8 @@ class Daemon:
         if self._peers is not None:
             for s in self._peers.sockets():
                 poller.register(s, zmq.POLLIN)
+        if isinstance(self.link, HomeLink):
+            poller.register(self.link.socket(), zmq.POLLIN)
         watched: set[int] = set()
         polled_bell = None
         rings = self.rings
