@@ -194,3 +194,27 @@ def test_a_peer_without_its_keys_or_with_a_bad_home_does_not_start(tmp_path, shm
         assert r.returncode != 0, (args, r.stderr)
         last = r.stderr.strip().splitlines()[-1]
         assert says in last, (args, r.stderr)
+
+
+def test_the_peer_dials_a_restarted_home_again_and_captures_after_are_whole(hosts):
+    home, start_peer, peer_shm = hosts
+    peer = start_peer()
+    wait_until(lambda: len(peers_of(home)) == 1, 15, "the peer daemon's session at the home")
+    first = peer.status()["federation"]["sessions"]
+    home.stop()
+    home.start()
+    wait_until(lambda: len(peers_of(home)) == 1, 15, "the peer's new session at the restarted home")
+    assert peer.status()["federation"]["sessions"] > first  # a new session, dialled by the peer
+    sc = Scenario(n_requests=2, prompt_len=6, gen_len=3, tp=1, pp=2, layers=(0, 1), chunk=3, prefix="back",
+                  instance="after")
+    eng = two_host_engine(sc, home.shm_dir, peer_shm)
+    try:
+        eng.run()
+        assert eng.flush()
+        client = home.client()
+        for i in range(sc.n_requests):
+            cap = client.fetch(sc.request_id(i), timeout=20)
+            assert not cap.missing_positions, cap.missing_positions
+            assert_capture(sc, i, capture_arrays(cap))
+    finally:
+        eng.close()
