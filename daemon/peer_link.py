@@ -193,10 +193,8 @@ class PeerLink:
                 "refused": p.refused_reason}
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
-        self._ctx.term()
+        self._sock = None
+        self._ctx.destroy(linger=0)  # every socket of the link, closed without waiting
 
 
 class HomeLink:
@@ -329,13 +327,11 @@ class HomeLink:
                 "messages_malformed": self.malformed}
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
-        self._ctx.term()
+        self._sock = None
+        self._ctx.destroy(linger=0)  # every socket of the link, closed without waiting
 
 
 

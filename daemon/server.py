@@ -200,7 +200,8 @@ class Daemon:
                 _prepare_endpoint(self.endpoint, ctx, gid)
                 curve = self._curve()
                 self._prepare_shm_dir()
-                self._open_arena(gid)
+                if not isinstance(self.link, PeerLink):  # a peer forwards raw records: it delivers nothing itself
+                    self._open_arena(gid)
                 if self.link is not None:
                     self.link.start()
             except UnsafePath as e:
