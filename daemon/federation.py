@@ -135,6 +135,8 @@ class PeerProtocol:
             self._go(PeerEvent.WELCOME)
             self._heard = now
             self.credit = max(msg.credit, 0)
+            for r in self._rings.values():  # announced again, in this session
+                r.opened.session = self.session
             return [Outgoing(r.opened) for r in self._rings.values()]
         if isinstance(msg, ff.Refused) and self.state is PeerState.GREETING:
             self._go(PeerEvent.REFUSED)

@@ -68,7 +68,7 @@ class TwoHosts:
     def apply(self, facts, now: float) -> None:
         for f in facts:
             if isinstance(f, Reply):
-                self.peer.received(ff.decode([ff.encode(f.msg)])[0], now)
+                self.to_home(self.peer.received(ff.decode([ff.encode(f.msg)])[0], now), now)
             elif isinstance(f, Records):
                 for raw in f.records:
                     for rec in ring_schema.decode_record(raw, ring=f.ring, epoch=f.epoch):
@@ -262,3 +262,20 @@ def test_raw_polls_never_read_past_their_bytes_and_leave_the_rest_in_the_ring(tm
     # The cursor went back into the file: a reader opened now (a restarted peer) starts after them.
     again = RingReader(ring_path(str(tmp_path), SC.instance, PEER_RANK))
     assert again.resumed and again.poll_raw(1 << 30) == []
+
+
+def test_after_a_silent_home_the_peer_dials_a_new_session_that_announces_its_rings_again(tmp_path):
+    engine, rank0, rank1 = ring_records(tmp_path)
+    h = TwoHosts()
+    h.connect(0.0, session=7)
+    h.tick(ff.SILENCE_S, peer=False)  # the home hears nothing: the old session ends ...
+    h.peer.tick(ff.SILENCE_S + 0.1)  # ... and the peer, hearing nothing either, goes back to dial
+    assert h.peer.state is PeerState.IDLE and not h.home.sessions
+    h.to_home([h.peer.connect(8, 1.0)], 1.0)  # Welcome: its ring is announced again, in the new session
+    assert h.peer.streaming and h.home.sessions[TO].rings.keys() == {1}
+    h.local(ENGINE_SOURCE, engine[:2], 1.0)
+    h.local("rank-00000.ring", rank0, 1.0)
+    h.send(rank1, 1.1)
+    h.local(ENGINE_SOURCE, engine[2:], 1.2)
+    for i in range(SC.n_requests):
+        assert_whole(h, i)
