@@ -214,6 +214,10 @@ def test_the_peer_dials_a_restarted_home_again_and_captures_go_on_across_the_res
         home.start()
         wait_until(lambda: len(peers_of(home)) == 1, 15, "the peer's new session at the restarted home")
         assert peer.status()["federation"]["sessions"] > first  # dialled again, its ring announced again
+        for d, says in ((home, "home of 1 peer daemons"), (peer, "peer of the home daemon tcp://127.0.0.1:")):
+            r = subprocess.run([sys.executable, "-m", "vllm_tap.cli", "status", "--endpoint", d.endpoint],
+                               capture_output=True, text=True, timeout=30)
+            assert r.returncode == 0 and says in r.stdout, r.stdout + r.stderr
         while eng.run_step():
             pass
         assert eng.flush()
