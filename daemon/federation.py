@@ -10,12 +10,12 @@ The peer's side (one session per connection it makes; it dials the home, nothing
     IDLE        connect(session)                              GREETING     Hello
     GREETING    Welcome of this session                       STREAMING    RingOpened of every ring
     GREETING    Refused                                       REFUSED      -
-    GREETING    nothing heard for SILENCE_S                   IDLE         -
+    GREETING    nothing heard for SILENCE_S, or disconnected  IDLE         -
     STREAMING   Credit                                        STREAMING    -
     STREAMING   a ring's records, within credit               STREAMING    RecordBatch
     STREAMING   a ring opened / gone                          STREAMING    RingOpened / RingGone
     STREAMING   nothing sent for BEAT_INTERVAL_S              STREAMING    Beat
-    STREAMING   nothing heard for SILENCE_S                   IDLE         -
+    STREAMING   nothing heard for SILENCE_S, or disconnected  IDLE         -
     REFUSED     connect(session)                              GREETING     Hello
 
 The home's side, per peer session:
@@ -30,8 +30,8 @@ The home's side, per peer session:
     STREAMING   RecordBatch, next seq, within credit          STREAMING    Records, RingRead; Credit
     STREAMING   RecordBatch out of seq or beyond credit       ENDED        every ring RingLost
     STREAMING   RingGone                                      STREAMING    RingLost
-    STREAMING   nothing heard for SILENCE_S                   ENDED        every ring RingLost
-                                                                           (`peer gone`)
+    STREAMING   its connection closed, or nothing heard for   ENDED        every ring RingLost
+                SILENCE_S                                                  (`peer gone`)
 
 A ring lost is the home's dead writer: its captures resolve what waits on it with the reason given,
 under the same rule (and within the same second) as a local writer's death.
@@ -104,6 +104,7 @@ class PeerProtocol:
         self.state = PeerState.IDLE
         self.session = 0
         self.credit = 0
+        self.window = 0  # the credit of a Welcome: when credit is back to it, nothing is in flight
         self.refused_reason = ""
         self._seq = 0
         self._rings: dict[int, _PeerRing] = {}
@@ -134,7 +135,7 @@ class PeerProtocol:
         if isinstance(msg, ff.Welcome) and msg.session == self.session and self.state is PeerState.GREETING:
             self._go(PeerEvent.WELCOME)
             self._heard = now
-            self.credit = max(msg.credit, 0)
+            self.credit = self.window = max(msg.credit, 0)
             for r in self._rings.values():  # announced again, in this session
                 r.opened.session = self.session
             return [Outgoing(r.opened) for r in self._rings.values()]
@@ -174,14 +175,21 @@ class PeerProtocol:
 
     def room(self) -> int:
         """Bytes of records that may be read and sent now (0 when not streaming)."""
-        return self.credit if self.streaming else 0
+        return max(self.credit, 0) if self.streaming else 0
+
+    def room_for_one(self) -> int:
+        """How large one record sent alone may be now: any size once nothing is in flight (a record
+        larger than the whole window goes by itself), else what the credit leaves."""
+        if not self.streaming:
+            return 0
+        return ff.MAX_RECORD_BYTES if self.credit >= self.window > 0 else max(self.credit, 0)
 
     def records(self, ring_id: int, records: list[bytes], read: int, written: int, now: float) -> list[Outgoing]:
         """Records read from a ring (within room()), and its cursors after that poll."""
         if not self.streaming:
             return []
         n = sum(len(r) for r in records)
-        if n > self.credit:
+        if n > self.credit and not (len(records) == 1 and n <= self.room_for_one()):
             raise ProtocolError(f"peer side: {n} bytes of records read with {self.credit} bytes of credit")
         self.credit -= n
         self._sent = now
@@ -266,6 +274,7 @@ class HomeEvent(enum.Enum):
     BATCH = "a batch in sequence and within credit"
     BAD_BATCH = "a batch out of sequence or beyond credit"
     SILENCE = "silence"
+    DISCONNECTED = "its connection closed"
     REPLACED = "a newer session of the host"
 
 
@@ -274,6 +283,7 @@ HOME_TRANSITIONS: dict[tuple[HomeState, HomeEvent], HomeState] = {
     (HomeState.STREAMING, HomeEvent.BATCH): HomeState.STREAMING,
     (HomeState.STREAMING, HomeEvent.BAD_BATCH): HomeState.ENDED,
     (HomeState.STREAMING, HomeEvent.SILENCE): HomeState.ENDED,
+    (HomeState.STREAMING, HomeEvent.DISCONNECTED): HomeState.ENDED,
     (HomeState.STREAMING, HomeEvent.REPLACED): HomeState.ENDED,
 }
 
@@ -336,7 +346,8 @@ class HomeProtocol:
                                  msg.placement))
         elif isinstance(msg, ff.RecordBatch):
             n = sum(msg.sizes)
-            if msg.seq != s.seq or n > s.credit or msg.ring_id not in s.rings:
+            alone = len(msg.sizes) == 1 and s.credit >= self.credit_bytes  # nothing in flight: any size
+            if msg.seq != s.seq or (n > s.credit and not alone) or msg.ring_id not in s.rings:
                 why = (f"batch {msg.seq} where {s.seq} was due" if msg.seq != s.seq else
                        f"{n} bytes with {s.credit} of credit" if n > s.credit else f"unknown ring {msg.ring_id}")
                 log.error("peer daemon %s: %s; its rings end here (%s)", s.host, why, PEER_LINK_BROKEN)
@@ -365,6 +376,15 @@ class HomeProtocol:
             out.append(RingLost(ring.instance, s.ring_name(msg.ring_id), msg.reason, msg.closed))
             if msg.closed:
                 del s.rings[msg.ring_id]
+        return out
+
+    def disconnected(self, to: bytes, now: float) -> list[Fact]:
+        """The connection `to` closed (the peer daemon killed, crashed or stopped): its session ends at once."""
+        out: list[Fact] = []
+        s = self.sessions.get(to)
+        if s is not None:
+            log.warning("peer daemon %s disconnected: its rings end (%s)", s.host, PEER_GONE)
+            self._end(to, HomeEvent.DISCONNECTED, PEER_GONE, out)
         return out
 
     def tick(self, now: float) -> list[Fact]:

@@ -61,6 +61,7 @@ class PeerLink:
         self.proto = PeerProtocol(host or socket.gethostname())
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
         self._ids: dict[tuple[str, str], tuple[int, int]] = {}  # ring key -> (ring id, epoch)
         self._next_id = 0
         self._reported: dict[int, float] = {}  # ring id -> when its cursors last went to the home
@@ -100,6 +101,14 @@ class PeerLink:
             if proto.state is PeerState.REFUSED and not self.refused_logged:
                 self.refused_logged = True
                 log.error("the home daemon %s refused this daemon: %s", self.home, proto.refused_reason)
+        if self._monitor is not None and self._monitor.poll(0):
+            try:
+                self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            else:
+                proto.lost()  # what was on the way may be lost with the connection: a new session
+                self._dial_at = now + REDIAL_S
         self._send(proto.tick(now))
         if proto.state in (PeerState.IDLE, PeerState.REFUSED) and now >= self._dial_at:
             self._dial(now)
@@ -117,6 +126,9 @@ class PeerLink:
         s.curve_serverkey = self._home_public
         s.curve_publickey = self._public
         s.curve_secretkey = self._secret
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+        self._monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # the home gone: dial anew at once
         s.connect(self.home)
         self._sock = s
         self.sessions += 1
@@ -151,11 +163,12 @@ class PeerLink:
         else:
             ring_id = known[0]
         room = min(self.proto.room(), READ_BUDGET_BYTES)
+        first = self.proto.room_for_one()
         now = time.monotonic()
         if not self.proto.streaming:
             return 0
-        recs = reader.poll_raw(room) if room > 0 else []
-        if not room:
+        recs = reader.poll_raw(room, first) if first > 0 else []
+        if first <= 0:
             reader.written = reader.write_cursor()
         if recs or now - self._reported.get(ring_id, -1e9) >= ff.BEAT_INTERVAL_S:
             # Its cursors go with every batch, and at least every beat: the home's Barriers wait on them.
@@ -193,7 +206,7 @@ class PeerLink:
                 "refused": p.refused_reason}
 
     def close(self) -> None:
-        self._sock = None
+        self._sock = self._monitor = None
         self._ctx.destroy(linger=0)  # every socket of the link, closed without waiting
 
 
@@ -272,8 +285,11 @@ class HomeLink:
             if type(f) is Reply:
                 try:
                     self._sock.send_multipart([f.to, ff.encode(f.msg)], flags=zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass  # that peer is gone or full: its session ends by silence
+                except zmq.ZMQError as e:
+                    # Mandatory routing: a connection that closed (the peer daemon killed, crashed or
+                    # stopped) is unreachable at the next beat; a full one ends by silence, if ever.
+                    if e.errno == zmq.EHOSTUNREACH:
+                        self._apply(self.proto.disconnected(f.to, now), now)
             elif type(f) is Records:
                 self._records(f, now)
             elif type(f) is RingRead:

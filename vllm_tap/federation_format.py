@@ -12,8 +12,9 @@ Records travel undecoded: the home decodes every one against the ring schema (vl
 as it does its own rings' records, because the bytes come from another machine.
 
 Flow control is by credit in bytes of record frames: the home grants (Welcome, Credit), the peer
-sends batches only within what it was granted, and reads its rings no further than its credit
-(what it does not read stays in the ring, whose writer then keeps to the ring's own rules).
+sends batches only within what it was granted (a record larger than the whole window goes alone,
+once nothing else is in flight), and reads its rings no further than its credit (what it does not
+read stays in the ring, whose writer then keeps to the ring's own rules).
 
 Every message is decoded against its type with bounds (strings, lists and counts below), and a
 message of another version is refused.
@@ -28,12 +29,15 @@ import msgspec
 FEDERATION_VERSION = 1
 MAX_HEADER_BYTES = 64 << 10  # frame 0
 MAX_RECORDS_PER_BATCH = 4096
-MAX_RECORD_BYTES = 1 << 31  # one record; also bounded by the credit the home grants
+MAX_RECORD_BYTES = 1 << 40  # one record (a ring's largest); larger than the credit window, it goes alone
 MAX_NAME = 256  # host, instance and ring names
 MAX_PLACEMENT_BYTES = 4096  # the ring header's placement, as the peer's ring holds it (vllm_tap.placement)
 DEFAULT_CREDIT_BYTES = 64 << 20  # what the home grants a peer at once (and tops up as it takes records)
 BEAT_INTERVAL_S = 0.1  # both sides: a message at least this often
-SILENCE_S = 0.5  # nothing heard for this long: the other side is gone
+# A closed connection (the other daemon killed, crashed, stopped) is seen at once; a connection
+# that stays open and quiet this long (a hung daemon, a host or network gone without a word) is as
+# good as closed. Long enough for the largest message on the way to arrive behind the beats.
+SILENCE_S = 5.0
 
 
 class Hello(msgspec.Struct, tag=True, forbid_unknown_fields=True):

@@ -432,9 +432,10 @@ class RingReader:
         self._store_read_cursor(r)
         return out
 
-    def poll_raw(self, max_bytes: int) -> list[bytes]:
+    def poll_raw(self, max_bytes: int, first_max: int = 0) -> list[bytes]:
         """Committed records as their bytes, undecoded (PADs skipped), at most `max_bytes` of them
-        (a record that does not fit stays for a later poll), advancing the persisted read cursor: what a peer daemon
+        (a record that does not fit stays for a later poll; the first may be up to `first_max`, so
+        one larger than the usual budget still goes), advancing the persisted read cursor: what a peer daemon
         forwards to the home daemon, which decodes them against the schema itself. RingBroken as poll."""
         span = self._span()
         if span is None:
@@ -444,7 +445,7 @@ class RingReader:
         out: list[bytes] = []
         got = 0
         head = bytearray(rf.RECORD_HEADER_SIZE)
-        while r + rf.RECORD_HEADER_SIZE <= w and got < max_bytes:
+        while r + rf.RECORD_HEADER_SIZE <= w and got < max(max_bytes, first_max if not out else 0):
             at = r % cap
             n = os.preadv(self._fd, [head], rf.HEADER_SIZE + at)
             if n != len(head):
@@ -457,7 +458,7 @@ class RingReader:
             if magic == b"PAD\x00":
                 r += total
                 continue
-            if magic != rf.RECORD_MAGIC or got + total > max_bytes:
+            if magic != rf.RECORD_MAGIC or got + total > (max(max_bytes, first_max) if not out else max_bytes):
                 if magic != rf.RECORD_MAGIC:
                     self._lose(r, w, f"bad record magic {bytes(magic)!r}")
                     r = w

@@ -197,6 +197,7 @@ def test_a_peer_gone_mid_capture_ends_its_captures_with_the_reason_within_a_seco
     first = [raw for raw in rank1 if SC.request_id(0).encode() in raw]
     h.send(first, 0.1)  # request 0 whole; request 1's stage-two records never come
     last_record = 0.1
+    h.apply(h.home.disconnected(TO, 0.15), 0.15)  # the peer daemon killed: its connection closes
     t = last_record
     while not all(any(isinstance(e, End) and e.request_id == SC.request_id(i) for e in h.events)
                   for i in range(SC.n_requests)):
@@ -207,6 +208,18 @@ def test_a_peer_gone_mid_capture_ends_its_captures_with_the_reason_within_a_seco
     end = h.end_of(1)
     assert list(end.missing_positions) == list(range(SC.end_position))
     assert {reason for _, reason in h.gaps(1)} == {PEER_GONE}
+    assert [f.reason for f in h.lost] == [PEER_GONE]
+
+
+def test_a_peer_connected_but_silent_is_gone_after_the_silence(tmp_path):
+    engine, rank0, rank1 = ring_records(tmp_path)
+    h = TwoHosts(end_grace_s=1.0)
+    h.connect()
+    h.local(ENGINE_SOURCE, engine, 0.0)
+    h.local("rank-00000.ring", rank0, 0.0)
+    h.tick(ff.SILENCE_S - 0.01, peer=False)
+    assert not h.lost and TO in h.home.sessions  # quiet, not yet gone (a large message on its way)
+    h.tick(ff.SILENCE_S, peer=False)
     assert [f.reason for f in h.lost] == [PEER_GONE]
 
 
@@ -279,3 +292,25 @@ def test_after_a_silent_home_the_peer_dials_a_new_session_that_announces_its_rin
     h.local(ENGINE_SOURCE, engine[2:], 1.2)
     for i in range(SC.n_requests):
         assert_whole(h, i)
+
+
+def test_a_record_larger_than_the_whole_credit_goes_alone_once_nothing_is_in_flight(tmp_path):
+    _, _, rank1 = ring_records(tmp_path)
+    small, big = min(len(r) for r in rank1), max(len(r) for r in rank1)
+    h = TwoHosts(credit=small)  # a window smaller than the largest record
+    h.connect()
+    assert h.peer.room_for_one() >= big  # nothing in flight: one record of any size may go
+    h.send([r for r in rank1 if len(r) == big][:1], 0.1)
+    assert h.peer.room() == small and TO in h.home.sessions  # taken, and the credit given back
+    # With something in flight, a large record waits: the peer may not send it, the home would not take it.
+    h.peer.credit = h.home.sessions[TO].credit = small - 64
+    assert h.peer.room_for_one() == small - 64
+    with pytest.raises(ProtocolError):
+        h.peer.records(1, [r for r in rank1 if len(r) == big][:1], 0, 0, 0.2)
+    eng = SyntheticEngine(SC, str(tmp_path / "again"))
+    eng.run()
+    eng.close()
+    raw = RingReader(ring_path(str(tmp_path / "again"), SC.instance, PEER_RANK))
+    assert raw.poll_raw(len(rank1[0]) - 1) == []
+    got = raw.poll_raw(len(rank1[0]) - 1, first_max=1 << 40)  # the first record goes whatever its size
+    assert got == rank1[:1]
