@@ -22,6 +22,7 @@ import zmq
 from synthetic_writer import Scenario, SyntheticEngine, assert_capture, capture_arrays, expected, plan
 from vllm_tap import placement
 from vllm_tap import ring_format as rf
+from vllm_tap.client.watch import WatchedCapture
 from vllm_tap.daemon.federation import PEER_GONE
 from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_writer import RingWriter
@@ -115,6 +116,16 @@ def test_a_capture_across_two_daemons_is_whole_and_a_killed_peer_is_gaps_then_a_
             cap = client.fetch(sc.request_id(i), timeout=20)
             assert not cap.missing_positions, cap.missing_positions
             assert_capture(sc, i, capture_arrays(cap))
+        # A watch of the home daemon gets the same whole captures.
+        watched = []
+        for item in client.watch(since=0, instance=sc.instance):
+            if isinstance(item, WatchedCapture):
+                watched.append(item)
+                assert not item.gaps and not item.capture.missing_positions
+                assert_capture(sc, int(item.request_id.rsplit("-", 1)[1]),
+                               capture_arrays(item.capture))
+            if len(watched) == sc.n_requests:
+                break
         # The peer's ring's placement came with its records: the home knows where rank 1 runs.
         wait_until(lambda: home.status()["engines"], 10, "the engine check")  # about once a second
         [engine] = home.status()["engines"]
