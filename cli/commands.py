@@ -290,7 +290,29 @@ def _status_text(s: DaemonStatus) -> str:
                      f"regions (peak {_mib(a['peak_bytes'])}), {a['fallbacks']} fallbacks to frames, "
                      f"{s.arena_messages} messages as descriptors")
     lines += _watch_status_lines(s)
+    lines += _across_hosts_lines(s)
     return "\n".join(lines)
+
+
+def _across_hosts_lines(s: DaemonStatus) -> list[str]:
+    """Federation (a peer or a home daemon) and the engines' start-up check; absent keys say nothing."""
+    lines = []
+    f = s.federation
+    if f and f.get("role") == "peer":
+        lines.append(f"peer of the home daemon {f['home']}: {f['state']}, {f['sessions']} sessions, "
+                     f"{f['batches_sent']} batches ({_mib(f['bytes_sent'])}) sent"
+                     + (f", REFUSED: {f['refused']}" if f.get("refused") else ""))
+    elif f:
+        ended = ", ".join(f"{reason} {n}" for reason, n in sorted(f.get("sessions_ended", {}).items())) or "none"
+        lines.append(f"home of {len(f['peers'])} peer daemons on {f['endpoint']} (sessions ended: {ended})")
+        lines += [f"  peer {p['host']}: {p['rings']} rings, {p['records_in']} records ({_mib(p['bytes_in'])})"
+                  for p in f["peers"]]
+    for e in s.engines:
+        lines.append(f"engine {e['instance']}: world {e['world_size']} on {', '.join(e['hosts'])}, ranks reporting "
+                     f"{e['ranks_reporting']}"
+                     + (f", NEVER REPORTED: {e['ranks_missing']}" if e["ranks_missing"] else "")
+                     + (f", OTHER TAP SETTINGS on {e['settings_differ']}" if e["settings_differ"] else ""))
+    return lines
 
 
 def _watch_status_lines(s: DaemonStatus) -> list[str]:

@@ -71,6 +71,7 @@ class Assembly:
     # Who writes it, and whether it still runs (the LIVE rule)
     sources: set[str] = field(default_factory=set)  # rings that carried records of it
     gone: set[str] = field(default_factory=set)  # of those, rings whose writer is gone
+    lost: str | None = None  # a peer host's ranks stopped reporting while it ran (why): nothing more comes from them
     records: int = 0  # records seen (activity, for the LIVE rule)
     live_absent: int = 0  # successive LIVE records without it, with no record of it since the first
     absent_mark: int = 0  # `records` at the first of those

@@ -46,6 +46,12 @@ class DaemonConfig:
     curve_key: str = ""  # the daemon's CURVE secret certificate (`vllm-tap keygen`); "" = no CURVE
     curve_clients: str = ""  # directory of allowed clients' public certificates (*.key)
     insecure: bool = False  # allow a non-loopback tcp:// endpoint without CURVE
+    # Engines across hosts (daemon/peer_link.py): a peer daemon dials its home; the home takes peers.
+    federation_key: str = ""  # this daemon's CURVE secret certificate towards peers or home
+    home: str = ""  # tcp://HOST:PORT of the home daemon's federation_endpoint; "" = not a peer
+    home_key: str = ""  # the home daemon's public certificate (.key)
+    federation_endpoint: str = ""  # tcp://HOST:PORT where this (home) daemon takes peer daemons; "" = none
+    peer_keys: str = ""  # directory of the peer daemons' public certificates (*.key) allowed to connect
 
     def resolved_endpoint(self) -> str:
         return self.endpoint or default_endpoint()

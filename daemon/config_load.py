@@ -91,6 +91,15 @@ DOCS: dict[str, str] = {
     "`curve_key` is set; re-read when it changes.",
     "insecure": "Allow a `tcp://` endpoint that is not loopback without CURVE (anyone who reaches the port reads "
     "every capture). The flag is `--insecure`.",
+    "federation_key": "This daemon's CURVE secret certificate for federation (`vllm-tap keygen DIR --name NAME`): "
+    "a peer's identity towards its home, the home's server key towards its peers.",
+    "home": "On a host of a multi-host engine that is not its home: `tcp://HOST:PORT` of the home daemon's "
+    "`federation_endpoint`. This daemon then streams its rings' records there (it serves no captures itself).",
+    "home_key": "The home daemon's public certificate (its `federation_key`'s `.key` file); needed with `home`.",
+    "federation_endpoint": "On the engine's home host: `tcp://HOST:PORT` where peer daemons connect (CURVE only); "
+    "empty = none.",
+    "peer_keys": "Directory of the peer daemons' public certificates (`*.key`) allowed to connect to "
+    "`federation_endpoint`.",
 }
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -227,6 +236,35 @@ def _validate(cfg: DaemonConfig) -> list[tuple[str, str]]:
     if cfg.log_level.upper() not in _LOG_LEVELS:
         bad.append(("log_level", f"must be one of {', '.join(_LOG_LEVELS)}, got {cfg.log_level!r}"))
     bad += _validate_access(cfg)
+    bad += _validate_federation(cfg)
+    return bad
+
+
+def _tcp_endpoint(value: str) -> bool:
+    host, sep, port = value[len("tcp://"):].rpartition(":")
+    return value.startswith("tcp://") and bool(host) and bool(sep) and port.isdigit() and 0 < int(port) < 65536
+
+
+def _validate_federation(cfg: DaemonConfig) -> list[tuple[str, str]]:
+    """A daemon is a peer (home), a home (federation_endpoint), or alone; each with its keys."""
+    bad: list[tuple[str, str]] = []
+    if cfg.home and cfg.federation_endpoint:
+        bad.append(("home", "a daemon is either a peer (home) or a home (federation_endpoint), not both"))
+    for key in ("home", "federation_endpoint"):
+        value = getattr(cfg, key)
+        if value and not _tcp_endpoint(value):
+            bad.append((key, f"expected tcp://HOST:PORT, got {value!r}"))
+    if (cfg.home or cfg.federation_endpoint) and not cfg.federation_key:
+        bad.append(("federation_key", "must name this daemon's CURVE secret certificate (`vllm-tap keygen`) "
+                                      "when home or federation_endpoint is set"))
+    if cfg.home and not cfg.home_key:
+        bad.append(("home_key", "must name the home daemon's public certificate when home is set"))
+    if cfg.federation_endpoint and not cfg.peer_keys:
+        bad.append(("peer_keys", "must name the directory of allowed peer keys when federation_endpoint is set"))
+    for key in ("federation_key", "home_key"):
+        path = getattr(cfg, key)
+        if path and (cfg.home or cfg.federation_endpoint) and not os.path.isfile(path):
+            bad.append((key, f"{path} is not a file"))
     return bad
 
 

@@ -75,6 +75,10 @@ class Instances:
     def writer_gone(self, instance: str, ring: str, now: float, reason: str = WRITER_GONE) -> None:
         self.reassembler(instance).writer_gone(ring, now, reason)
 
+    def ranks_lost(self, instance: str, ring: str, now: float, reason: str) -> None:
+        """A peer host's ring stopped reporting (daemon/peer_link.py)."""
+        self.reassembler(instance).ranks_lost(ring, now, reason)
+
     def ring_closed(self, instance: str, ring: str, now: float) -> None:
         self._deliver(self.reassembler(instance).ring_closed(ring, now), now)
 

@@ -167,6 +167,17 @@ class DaemonCollector(Collector):
         h.add_metric([], _buckets(hist), sum_value=float(hist["sum"]))
         yield h
         yield from _watch_families(s)
+        yield from _engine_families(s)
+
+
+def _engine_families(s: DaemonStatus) -> Iterable[Metric]:
+    """Engines that may span hosts (daemon/engine_check.py); `status` names the instances and ranks."""
+    engines = s.engines
+    yield _gauge("vllm_tap_engine_ranks_missing", "Ranks of engines that write rings and never reported (here or "
+                 "through a peer daemon): their part of every capture is gaps.",
+                 sum(len(e["ranks_missing"]) for e in engines))
+    yield _gauge("vllm_tap_engine_settings_differ", "Hosts of engines whose tap settings differ from their home's.",
+                 sum(len(e["settings_differ"]) for e in engines))
 
 
 def _watch_families(s: DaemonStatus) -> Iterable[Metric]:

@@ -194,6 +194,19 @@ class Reassembler:
                     a.life.dead_reason = reason
         return []
 
+    def ranks_lost(self, source: str, now: float, reason: str) -> list[Event]:
+        """Ring `source` of a peer host (daemon/federation.py) stopped reporting: any capture in flight
+        may wait on its ranks, whether or not a record of it came from there yet. Each resolves what
+        waits after gone_grace_s, as for a dead writer; one whose END is read (now or later) then
+        ends, what it misses a Gap with `reason`."""
+        for a in self._requests.values():
+            a.gone.add(source)
+            a.lost = reason
+            if a.life.dead_at is None:
+                a.life.dead_at = now
+                a.life.dead_reason = reason
+        return []
+
     # -- records --
 
     def feed(self, record: Record, now: float) -> list[Event]:
@@ -257,7 +270,7 @@ class Reassembler:
             elif life.dead_at is not None and now >= life.dead_at + self.gone_grace_s:
                 self._fail_groups(a, list(a.groups.values()), life.dead_reason)
                 self._pump(a, now, out)
-                if ENGINE_SOURCE in a.gone or a.sources <= a.gone:
+                if ENGINE_SOURCE in a.gone or a.sources <= a.gone or (a.lost and a.end is not None):
                     self._finish(a, now, out, life.dead_reason)
                 else:
                     life.dead_at = None  # the engine lives on and will END it
@@ -599,6 +612,8 @@ class Reassembler:
         if a.shed is not None:
             self._finish(a, now, out, a.shed)
             return
+        if a.lost and a.life.dead_at is None:  # a peer's ranks went while it ran: one more read, then it ends
+            a.life.dead_at, a.life.dead_reason = now, a.lost
         self._pump(a, now, out)
 
     def _on_shed(self, r: ControlRecord, now: float, out: list[Event]) -> None:

@@ -22,7 +22,7 @@ import select
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from vllm_tap import ring_format as rf
 from vllm_tap.doorbell import Doorbell
@@ -139,6 +139,9 @@ class RingPoller:
         self._arena: Any = None
         self._destination: Destination | None = None
         self._copier: Copier | None = None
+        # A peer daemon (daemon/peer_link.py): each ring is read by this instead, its raw records
+        # forwarded to the home daemon; returns how many it read.
+        self.forward: Callable[[OpenRing], int] | None = None
 
     def use_arena(self, arena: Any, destination: Destination, copier: Copier | None) -> None:
         """Rings opened from now on read their payloads where `destination` says (the delivery arena,
@@ -189,6 +192,8 @@ class RingPoller:
                 pass  # a broken ring: the next read finds out
         with _FENCE:  # a locked instruction: our flag stores are visible before the cursor loads below
             pass
+        if self.forward is not None:
+            return True  # a peer reads within credit: what waits for credit must not keep the loop awake
         for r in readers:
             try:
                 new = r.has_new()
@@ -431,6 +436,8 @@ class RingPoller:
 
     def _poll_ring(self, ring: OpenRing) -> int:
         try:
+            if self.forward is not None:
+                return self.forward(ring)
             recs = ring.reader.poll(max_records=READ_CHUNK_RECORDS, max_bytes=READ_CHUNK_BYTES)
         except (RingBroken, OSError) as e:
             self._break(ring, time.monotonic(), str(e))

@@ -76,9 +76,11 @@ from .config_load import is_loopback
 from .copier import Copier
 from .curve import CurveServer
 from .instances import Instances
+from .peer_link import HomeLink, PeerLink, link_of
 from .peers import Peers
 from .pins import Pins
 from .destination import ArenaDestination
+from .engine_check import EngineCheck, placements_of
 from .ring_poller import RingPoller
 from .sequence import SequenceCounter
 from .status import StatusView
@@ -156,9 +158,13 @@ class Daemon:
         self.instances = Instances(self.store, self.hub.dispatch, end_grace_s=config.end_grace_s,
                                    inflight_bytes=config.inflight_bytes)
         self.access = RingAccess.from_config(config)
-        self.rings = RingPoller(config.shm_dir, self.access, self.instances)
+        self.link = link_of(config, self.instances)  # federation (daemon/peer_link.py): None, a peer or a home
+        self.rings = RingPoller(config.shm_dir, self.access, self.link if isinstance(self.link, PeerLink) else
+                                self.instances)
+        self.rings.forward = self.link.forward if isinstance(self.link, PeerLink) else None
         self.status = StatusView(self.endpoint, config.shm_dir, self.rings, self.instances, self.hub, self.store,
                                  self.watch)
+        self.engines = EngineCheck()  # world sizes and settings of engines across hosts (daemon/engine_check.py)
         self._last_discovery = self._last_tick = self._last_probe = self._last_liveness = -1e9
         self._fd_due = False
 
@@ -174,7 +180,11 @@ class Daemon:
             return self._snapshot()
 
     def _snapshot(self) -> DaemonStatus:
-        return self.status.snapshot(arena=self.arena, copier=self.copier, peers=self._peers, nofile=self.nofile)
+        snap = self.status.snapshot(arena=self.arena, copier=self.copier, peers=self._peers, nofile=self.nofile)
+        if self.link is not None:
+            snap.federation = self.link.status()
+        snap.engines = self.engines.status(time.monotonic())
+        return snap
 
     def run(self) -> None:
         self.nofile = raise_nofile_limit()
@@ -193,9 +203,14 @@ class Daemon:
                 _prepare_endpoint(self.endpoint, ctx, gid)
                 curve = self._curve()
                 self._prepare_shm_dir()
-                self._open_arena(gid)
+                if not isinstance(self.link, PeerLink):  # a peer forwards raw records: it delivers nothing itself
+                    self._open_arena(gid)
+                if self.link is not None:
+                    self.link.start()
             except UnsafePath as e:
                 raise AccessError(str(e)) from None
+            except zmq.ZMQError as e:
+                raise DaemonError(f"cannot listen on {self.config.federation_endpoint} for peer daemons: {e}") from None
             self._peers = Peers(ctx, sock, self.endpoint, max_connections=self.config.max_connections,
                                 max_per_peer=self.config.max_connections_per_peer, fd_limit=self.nofile,
                                 curve=curve, on_bind=lambda: narrow_socket(self.endpoint, gid))
@@ -231,6 +246,8 @@ class Daemon:
                     self.copier.close()
                 if self.arena is not None:
                     self.arena.close()  # also when start-up failed after making it
+                if self.link is not None:
+                    self.link.close()
                 peers, self._peers = self._peers, None
                 if peers is not None:
                     peers.close()
@@ -273,6 +290,8 @@ class Daemon:
         if self._peers is not None:
             for s in self._peers.sockets():
                 poller.register(s, zmq.POLLIN)
+        if isinstance(self.link, HomeLink):
+            poller.register(self.link.socket(), zmq.POLLIN)
         watched: set[int] = set()
         polled_bell = None
         rings = self.rings
@@ -330,6 +349,8 @@ class Daemon:
     def _step(self, now: float) -> bool:
         rings, hub = self.rings, self.hub
         busy = self._peers.pump() if self._peers is not None else False
+        if self.link is not None:
+            busy |= self.link.pump(now)
         tick = now - self._last_tick >= TICK_INTERVAL_S
         if self._fd_due or tick:
             self._fd_due = False
@@ -350,6 +371,7 @@ class Daemon:
             if now - self._last_liveness >= LIVENESS_INTERVAL_S:
                 self._last_liveness = now
                 rings.check_rings(now)
+                self.engines.observe(placements_of(rings.rings, self.link), now)
             if now - self._last_probe >= PROBE_INTERVAL_S:
                 self._last_probe = now
                 hub.probe()
@@ -377,6 +399,8 @@ class Daemon:
         if self.config.ring_copier:
             self.copier = Copier(self.arena)
         self.rings.use_arena(self.arena, ArenaDestination(self.arena), self.copier)
+        if isinstance(self.link, HomeLink):
+            self.link.destination = ArenaDestination(self.arena)
         self.instances.use_arena(self.arena)
         self.hub.use_arena(self.arena)
         self.watch.use_arena(self.arena)

@@ -348,25 +348,34 @@ class RingReader:
 
     # -- records --
 
+    def _span(self) -> tuple[int, int] | None:
+        """(read, write) cursors a poll reads between; None when there is nothing to read, or nothing
+        that can be trusted (RingBroken when the file changed size)."""
+        w = self.write_cursor()
+        self.written = w
+        self._stamp()
+        r = self._r
+        if w == r:
+            return None
+        if w < r or w - r > self.capacity or r % rf.ALIGN:
+            # Cursors a writer never makes: nothing between them can be trusted to be a record.
+            self._lose(r, w, f"write cursor {w} against read cursor {r} and capacity {self.capacity}")
+            self._store_read_cursor(w)
+            return None
+        self.check()
+        return r, w
+
     def poll(self, max_records: int = 1 << 30, max_bytes: int = 1 << 62) -> list[Record]:
         """Copy out committed records (up to the limits) and advance the persisted read cursor.
 
         Records that do not fit the schema are skipped and kept in `rejections` (each with its
         place among the records returned). RingBroken when the file changed under the reader (it
         must not be read any more)."""
-        w = self.write_cursor()
-        self.written = w
-        self._stamp()
-        r = self._r
-        if w == r:
+        span = self._span()
+        if span is None:
             return []
+        r, w = span
         cap = self.capacity
-        if w < r or w - r > cap or r % rf.ALIGN:
-            # Cursors a writer never makes: nothing between them can be trusted to be a record.
-            self._lose(r, w, f"write cursor {w} against read cursor {r} and capacity {cap}")
-            self._store_read_cursor(w)
-            return []
-        self.check()
         out: list[Record] = []
         start = r
         w_full = w
@@ -420,6 +429,50 @@ class RingReader:
         if r == w and w != w_full:
             self._lose(r, w_full, f"write cursor {w_full} is not on a record boundary")
             r = w_full
+        self._store_read_cursor(r)
+        return out
+
+    def poll_raw(self, max_bytes: int, first_max: int = 0) -> list[bytes]:
+        """Committed records as their bytes, undecoded (PADs skipped), at most `max_bytes` of them
+        (a record that does not fit stays for a later poll; the first may be up to `first_max`, so
+        one larger than the usual budget still goes), advancing the persisted read cursor: what a peer daemon
+        forwards to the home daemon, which decodes them against the schema itself. RingBroken as poll."""
+        span = self._span()
+        if span is None:
+            return []
+        r, w = span
+        cap = self.capacity
+        out: list[bytes] = []
+        got = 0
+        head = bytearray(rf.RECORD_HEADER_SIZE)
+        while r + rf.RECORD_HEADER_SIZE <= w and got < max(max_bytes, first_max if not out else 0):
+            at = r % cap
+            n = os.preadv(self._fd, [head], rf.HEADER_SIZE + at)
+            if n != len(head):
+                raise self._short(n, len(head), rf.HEADER_SIZE + at)
+            magic, total = rf.PAD_HEADER.unpack_from(head, 0)
+            if total < rf.ALIGN or total % rf.ALIGN or total > cap - at or total > w - r:
+                self._lose(r, w, f"bad record length {total}")
+                r = w
+                break
+            if magic == b"PAD\x00":
+                r += total
+                continue
+            if magic != rf.RECORD_MAGIC or got + total > (max(max_bytes, first_max) if not out else max_bytes):
+                if magic != rf.RECORD_MAGIC:
+                    self._lose(r, w, f"bad record magic {bytes(magic)!r}")
+                    r = w
+                break
+            rec = bytearray(total)
+            n = os.preadv(self._fd, [rec], rf.HEADER_SIZE + at)
+            if n != total:
+                raise self._short(n, total, rf.HEADER_SIZE + at)
+            out.append(bytes(rec))
+            got += total
+            r += total
+        if w - r < rf.ALIGN and r != w:  # never a record: a cursor off the record boundaries
+            self._lose(r, w, f"write cursor {w} is not on a record boundary")
+            r = w
         self._store_read_cursor(r)
         return out
 

@@ -105,6 +105,11 @@ class DaemonStatus(msgspec.Struct, forbid_unknown_fields=False):
     watches_refused: int = 0
     watch_delivered: int = 0
     watch_lost: dict[str, int] = {}
+    # Engines across hosts: this daemon's role (a peer of a home, or the home of peers; None: neither).
+    federation: dict[str, Any] | None = None
+    # Each engine's ranks from the placements of its rings: world size, those never reporting, hosts
+    # whose tap settings differ from the home's.
+    engines: list[dict[str, Any]] = []
 
 
 def from_map(status: dict[str, Any]) -> DaemonStatus:
