@@ -101,7 +101,8 @@ def _semantics_reasons() -> set[str]:
 
 def code_gap_reasons() -> dict[str, str]:
     """Every reason the code gives a Gap: the daemon's (the block of constants after "Why positions
-    are missing" in daemon/events.py, read by name so a reason added there is checked too) and
+    are missing" in daemon/events.py, read by name so a reason added there is checked too, and the
+    PEER_* reasons of daemon/federation.py) and
     the client's own (a region reused before it was copied; positions a restarted daemon skipped)."""
     from vllm_tap.client import arena, stream
     from vllm_tap.daemon import events
@@ -112,6 +113,12 @@ def code_gap_reasons() -> dict[str, str]:
     names = re.findall(r"^([A-Z][A-Z_]*)\s*=", block, re.M)
     assert len(names) >= 10, names
     out = {f"daemon/events.py {n}": getattr(events, n) for n in names}
+    from vllm_tap.daemon import federation  # a peer daemon's session ending: what its ranks still owed
+
+    with open(federation.__file__, encoding="utf-8") as f:
+        peer_names = re.findall(r"^(PEER_[A-Z_]+)\s*=\s*\"", f.read(), re.M)
+    assert len(peer_names) >= 3, peer_names
+    out |= {f"daemon/federation.py {n}": getattr(federation, n) for n in peer_names}
     out["client/arena.py OVERWRITTEN"] = arena.OVERWRITTEN
     out["client/stream.py LOST"] = stream.LOST
     return out
