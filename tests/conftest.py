@@ -28,6 +28,12 @@ if SUPPORT_DIR not in sys.path:
     sys.path.insert(0, SUPPORT_DIR)
 
 
+_TAP_LOG = logging.getLogger("vllm_tap")
+# As this process found it, before any test ran: a vLLM engine made by a module's fixture changes it
+# before a test's own fixtures could note what it was.
+_TAP_LOG_AS_FOUND = (list(_TAP_LOG.handlers), _TAP_LOG.level, _TAP_LOG.propagate)
+
+
 @pytest.fixture(autouse=True)
 def _tap_logger_as_found():
     """Undo what a vLLM engine run in this process does to the tap's logger.
@@ -35,12 +41,11 @@ def _tap_logger_as_found():
     The plugin hands the `vllm_tap` logger vLLM's handlers and stops it propagating (so its lines go
     where vLLM's go); left so, every later test's caplog sees none of the tap's lines.
     """
-    log = logging.getLogger("vllm_tap")
-    handlers, level, propagate = list(log.handlers), log.level, log.propagate
     yield
-    log.handlers[:] = handlers
-    log.setLevel(level)
-    log.propagate = propagate
+    handlers, level, propagate = _TAP_LOG_AS_FOUND
+    _TAP_LOG.handlers[:] = handlers
+    _TAP_LOG.setLevel(level)
+    _TAP_LOG.propagate = propagate
 
 
 @pytest.fixture
