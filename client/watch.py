@@ -223,6 +223,7 @@ class WatchState:
         self._sent = 0.0
         # whole mode: the capture being received
         self._cur_seq: int | None = None
+        self._cur_next: int | None = None  # whole mode: the next position the capture being built needs
         self._cur_begin: CaptureBegin | None = None
         self._cur: CaptureBuilder | None = None
         # streamed mode: captures started and not yet ended, and ended ones above last_seq
@@ -389,6 +390,7 @@ class WatchState:
                 self._cur_begin = begin  # a late BEGIN completed the metadata: keep the data so far
                 return []
             self._cur_seq, self._cur_begin, self._cur = seq, begin, CaptureBuilder()
+            self._cur_next = None
             return []
         # Streamed: a watch the daemon had to start again (a new connection) replays captures above
         # last_seq from their beginning: positions already yielded are dropped here.
@@ -405,19 +407,21 @@ class WatchState:
                     return []
                 raise ProtocolError(f"data of capture {seq} without its begin")
             assert self._cur is not None
-            self._cur.add(item)
+            # A watch started again (a restarted daemon that adopted this capture replays it from
+            # its beginning): what the builder has is not added twice.
+            item = _since(item, self._cur_next)
+            if item is not None:
+                self._cur_next = item.stop if isinstance(item, Chunk) else item.positions.stop
+                self._cur.add(item)
             return []
         if seq not in self._open:
             if self._handled(seq):
                 return []
             raise ProtocolError(f"data of capture {seq} without its begin")
-        start, stop = (item.start, item.stop) if isinstance(item, Chunk) else (item.positions.start, item.positions.stop)
-        nxt = self._next_pos[seq]
-        if nxt is not None and start < nxt:
-            if stop <= nxt:
-                return []
-            item = item.cut(nxt) if isinstance(item, Chunk) else Gap(range(nxt, stop), item.reason, item.request_id)
-        self._next_pos[seq] = stop
+        item = _since(item, self._next_pos[seq])
+        if item is None:
+            return []
+        self._next_pos[seq] = item.stop if isinstance(item, Chunk) else item.positions.stop
         if isinstance(item, Gap):
             log.info("capture %d (%s): positions %d..%d missing (%s)", seq, item.request_id, item.positions.start,
                      item.positions.stop - 1, item.reason)
@@ -441,6 +445,16 @@ class WatchState:
         self._next_pos.pop(seq, None)
         self._advance(seq)
         return [WatchEnd(seq, end)]
+
+
+def _since(item: Chunk | Gap, nxt: int | None) -> Chunk | Gap | None:
+    """The part of `item` at or after position `nxt` (None: all of it); None when nothing is."""
+    start, stop = (item.start, item.stop) if isinstance(item, Chunk) else (item.positions.start, item.positions.stop)
+    if nxt is None or start >= nxt:
+        return item
+    if stop <= nxt:
+        return None
+    return item.cut(nxt) if isinstance(item, Chunk) else Gap(range(nxt, stop), item.reason, item.request_id)
 
 
 # -- blocking --

@@ -154,6 +154,8 @@ class Arena:
         self._closed = False
         self._warned = False
         self.remove_dir = False  # close() removes the directory too (the daemon made it for this run)
+        self._adopting: dict[int, Any] | None = None  # regions adopted from an earlier run, until end_adoption()
+        self._kept = False  # closed for the next daemon to adopt: nothing is freed into it any more
 
     # -- life --
 
@@ -192,12 +194,123 @@ class Arena:
         log.info("delivery arena %s: %d MiB (regions up to %d MiB)", a.path, capacity >> 20, top >> 20)
         return a
 
-    def close(self) -> None:
-        """Unlink the file. The mapping stays until the daemon exits: arrays in it may still be
-        referenced (and clients keep their own mappings)."""
+    @classmethod
+    def reopen(cls, directory: str, arena_id: int, capacity: int, gid: int | None = None) -> "Arena | None":
+        """The arena a previous daemon run left in `directory` (its journal names it), for adoption
+        (daemon/adoption.py); None, with one line of log, when it is gone or unfit: not a regular file
+        of ours, writable by others, another size than `capacity` asks for, a header that does not
+        match its layout, or its daemon still running. Then adopt_region() for each region to keep,
+        and end_adoption() before the first alloc()."""
+        top_order = 0
+        want = max(af.BLOCK, min(capacity, MAX_TOP))
+        while (af.BLOCK << top_order) < want:
+            top_order += 1
+        top = af.BLOCK << top_order
+        capacity = (max(capacity, af.BLOCK) + top - 1) // top * top
+        name = af.arena_name(arena_id)
+        dir_fd = os.open(directory, _DIR_FLAGS)
+        fd = -1
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+            st = os.fstat(fd)
+            n_blocks, gen_off, data_off, size = af.layout(capacity)
+            head = os.pread(fd, af.HEADER.size, 0)
+            fields = af.HEADER.unpack(head) if len(head) == af.HEADER.size else None
+            why = _unfit(st, fields, arena_id, capacity, size)
+            if why:
+                log.warning("the arena %s/%s of an earlier daemon run is not adopted: %s", directory, name, why)
+                os.close(fd)
+                os.close(dir_fd)
+                return None
+            if gid is not None and st.st_gid != gid:
+                os.fchown(fd, -1, gid)
+            os.fchmod(fd, af.FILE_MODE)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            if fd >= 0:
+                os.close(fd)
+            os.close(dir_fd)
+            if e.errno != errno.ENOENT:
+                log.warning("the arena %s/%s of an earlier daemon run is not adopted: %s", directory, name,
+                            e.strerror or e)
+            return None
+        a = cls(os.path.join(directory, name), dir_fd, name, fd, mm, arena_id, capacity, top_order)
+        af.PID.pack_into(mm, af.HEADER_PID_OFFSET, os.getpid())  # ours now: a later start must not take it for stale
+        for k in range(top_order + 1):  # nothing is free until end_adoption() says what is
+            a._free_at[k].clear()
+            a._heap_at[k].clear()
+        a._adopting = {}
+        a._mark_committed(0, data_off)
+        return a
+
+    def adopt_region(self, block: int, blocks: int, gen: int) -> Any:
+        """The region a journal names (its first block, size in blocks, generation), as alloc() would
+        have handed it out; None when it is out of bounds, overlaps another adopted region, or its
+        generation moved on (it was freed after the journal named it)."""
+        adopting = self._adopting
+        if adopting is None:
+            raise RuntimeError("adopt_region() after end_adoption()")
+        have = adopting.get(block)
+        if have is not None:
+            return have if have._blocks == blocks and have._gen == gen else None
+        if not (0 <= block and 1 <= blocks and block + blocks <= self.n_blocks and blocks <= (1 << self._top)):
+            return None
+        if int(self._gens[block]) != gen:
+            return None
+        for other in adopting.values():
+            if other._off < block + blocks and block < other._off + other._blocks:
+                return None
+        size = blocks * af.BLOCK
+        region = _region_type(size).from_buffer(self._mm, self.data_offset + block * af.BLOCK)
+        region._arena = self
+        region._off = block
+        region._blocks = blocks
+        region._gen = gen
+        adopting[block] = region
+        self.allocated_bytes += size
+        self.regions += 1
+        return region
+
+    def end_adoption(self) -> int:
+        """Everything no adopted region holds is free (its values zeroed by `sweep`, its generation
+        moved on so no earlier descriptor of it still matches). Returns the regions adopted."""
+        adopting, self._adopting = self._adopting or {}, None
+        held = sorted((r._off, r._off + r._blocks) for r in adopting.values())
+        at = 0
+        # The rest goes back to tmpfs (a hole reads as zeros and holds no memory): zeroing it would
+        # touch, and so allocate, every page of an arena the earlier run may never have used. Its
+        # chunks are reserved again, as at creation, before a region in them is handed out.
+        self._committed[:] = bytes(len(self._committed))
+        self.committed_bytes = 0
+        self._mark_committed(0, self.data_offset)
+        for lo, hi in held + [(self.n_blocks, self.n_blocks)]:
+            if lo > at:
+                self._gens[at:lo] += 1
+                if not _punch(self._fd, self.data_offset + at * af.BLOCK, (lo - at) * af.BLOCK):
+                    self._dirty[at:lo] = True  # no hole punched: zeroed before reuse, as any freed region
+                    self.unzeroed_bytes += (lo - at) * af.BLOCK
+                    self._freed.append((time.monotonic(), at, lo - at))
+                self._give_range(at, lo)
+            at = hi
+        self.peak_bytes = self.allocated_bytes
+        if adopting:
+            log.info("delivery arena %s adopted from an earlier daemon run: %d regions, %d MiB", self.path,
+                     len(adopting), self.allocated_bytes >> 20)
+        return len(adopting)
+
+    def close(self, keep: bool = False) -> None:
+        """Unlink the file, unless `keep` (a journal names what it holds: the next daemon adopts it).
+        The mapping stays until the daemon exits: arrays in it may still be referenced (and clients
+        keep their own mappings)."""
         if self._closed:
             return
         self._closed = True
+        if keep:
+            # What the journal names must reach the next daemon as it is: regions the exiting
+            # process lets go of (its objects finalized) keep their generations and values.
+            self._kept = True
+            os.close(self._dir_fd)
+            return
         try:
             st = os.stat(self._name, dir_fd=self._dir_fd, follow_symlinks=False)
             if st.st_ino == os.fstat(self._fd).st_ino:
@@ -281,6 +394,26 @@ class Arena:
             return None
         return owner._off, owner._gen, arr.ctypes.data - self._data_addr
 
+    def region_of(self, arr: np.ndarray) -> tuple[int, int, int, int] | None:
+        """(block, blocks, gen, offset) of a C-contiguous array in this arena: its region (first block,
+        size in blocks, generation) and its data-area byte offset; None for any other array."""
+        owner = _owner(arr)
+        if not isinstance(owner, _Region) or owner._arena is not self or not arr.flags.c_contiguous:
+            return None
+        return owner._off, owner._blocks, owner._gen, arr.ctypes.data - self._data_addr
+
+    def view(self, region: Any, offset: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
+        """An array of `shape` at data-area byte `offset`, inside `region` (adopt_region's); None when
+        it would reach outside the region."""
+        dt = np.dtype(dtype)
+        count = 1
+        for s in shape:
+            count *= s
+        lo = offset - region._off * af.BLOCK
+        if lo < 0 or lo % dt.itemsize or lo + count * dt.itemsize > region._blocks * af.BLOCK:
+            return None
+        return np.frombuffer(region, dt, count=count, offset=lo).reshape(shape)
+
     def _take(self, order: int) -> int | None:
         b = self._find(order)
         if b is None and self._coalesce():
@@ -338,6 +471,8 @@ class Arena:
         return merged
 
     def _free(self, b: int, blocks: int) -> None:
+        if self._kept:
+            return
         # The generation first: a reader that copied from the region before this store sees the
         # old value; any byte written into it after this comes after the new value (x86-64 TSO).
         self._gens[b] += 1
@@ -439,6 +574,37 @@ class Arena:
                 "allocations": self.allocations, "fallbacks": self.fallbacks,
                 "write_failures": self.write_failures, "committed_bytes": self.committed_bytes,
                 "unzeroed_bytes": self.unzeroed_bytes, "zeroed_bytes": self.zeroed_bytes}
+
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+def _punch(fd: int, offset: int, length: int) -> bool:
+    """Give [offset, offset + length) of the file back to its file system (it then reads as zeros)."""
+    return _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) == 0
+
+
+def _unfit(st: os.stat_result, fields: tuple | None, arena_id: int, capacity: int, size: int) -> str:
+    """Why an earlier run's arena file cannot be adopted ("" when it can)."""
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        return "not a regular file of this daemon's user"
+    if st.st_mode & 0o022:
+        return f"writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    if fields is None or fields[0] != af.ARENA_MAGIC or fields[1] != af.ARENA_FORMAT_VERSION:
+        return "not an arena of this version"
+    n_blocks, gen_off, data_off, want_size = af.layout(capacity)
+    (_, _, header_size, file_id, file_capacity, block, _, file_blocks, file_gen_off, file_data_off, pid, _) = fields
+    if file_capacity != capacity:
+        return f"{file_capacity} bytes where arena_bytes now asks for {capacity}"
+    if (file_id != arena_id or header_size != af.HEADER_SIZE or block != af.BLOCK or file_blocks != n_blocks
+            or file_gen_off != gen_off or file_data_off != data_off or st.st_size != want_size or size != want_size):
+        return "its header does not match its layout"
+    if pid and pid != os.getpid() and _alive(pid):
+        return f"its daemon (pid {pid}) still runs"
+    return ""
 
 
 def remove_stale(dir_fd: int, directory: str) -> None:

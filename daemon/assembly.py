@@ -68,6 +68,10 @@ class Assembly:
     first_frontier: int | None = None  # where delivery started (for End's missing ranges)
     missing: list[range] = field(default_factory=list)
     delivered: int = 0
+    # Continued from an earlier daemon run's journal (daemon/adoption.py): the positions it had
+    # delivered, and where this run took over (its holes there were read by that run, not filed)
+    adopted: int = 0
+    resumed_at: int | None = None
     # Who writes it, and whether it still runs (the LIVE rule)
     sources: set[str] = field(default_factory=set)  # rings that carried records of it
     gone: set[str] = field(default_factory=set)  # of those, rings whose writer is gone
@@ -145,7 +149,13 @@ class Assembly:
         half way in a ring a previous daemon was reading and nothing was delivered yet. Then these
         are its first steps, whose other records that daemon read before it stopped (a step's hidden
         states and its logits are two records, a SIGKILL can fall between them)."""
-        return NOT_CAPTURED_PREVIOUS if self.inherited and not self.delivered else INCOMPLETE
+        return NOT_CAPTURED_PREVIOUS if self.met_half_way else INCOMPLETE
+
+    @property
+    def met_half_way(self) -> bool:
+        """First seen in a ring a previous daemon had been reading, and nothing delivered by this one
+        yet: what is missing at its start went with that daemon."""
+        return self.inherited and self.delivered == self.adopted
 
 
 def top(positions: np.ndarray) -> int:

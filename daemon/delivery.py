@@ -76,8 +76,8 @@ def pump(a: Assembly, now: float, out: list[Event], force_reason: str | None = N
             if force_reason is None and not may_skip(a, a.frontier, start):
                 break
             hi = start if lim is None else min(start, lim)
-            reason = force_reason or (NOT_CAPTURED_PREVIOUS if a.inherited and not a.delivered
-                                      and a.frontier == a.start else NOT_CAPTURED)
+            reason = force_reason or (NOT_CAPTURED_PREVIOUS if a.met_half_way and a.frontier == (
+                a.start if a.resumed_at is None else a.resumed_at) else NOT_CAPTURED)
             gap(a, a.frontier, hi, reason, now, out)
             a.frontier = hi
             continue

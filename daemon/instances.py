@@ -137,8 +137,14 @@ class Instances:
         budget[0] -= entry.nbytes
         return entry.history
 
-    def take_handover(self, state_dir: str, now: float) -> None:
-        taken = handover.take(state_dir)
+    def continue_filed(self, entry: Any, now: float) -> None:
+        """A capture in flight adopted from an earlier run's arena (its store entry): reassembly goes on with it."""
+        self.reassembler(entry.instance).continue_filed(entry.begin, entry.history, now)
+
+    def take_handover(self, state_dir: str, now: float,
+                      taken: "dict[str, list[handover.InFlight]] | None" = None) -> None:
+        if taken is None:
+            taken = handover.take(state_dir)
         for inst, captures in taken.items():
             self._deliver(self.reassembler(inst).restore(captures, now), now)
         if taken:

@@ -77,12 +77,13 @@ from vllm_tap import ring_format as rf
 from vllm_tap import ring_schema
 from vllm_tap.positions import PositionRanges
 from vllm_tap.ring_records import ControlRecord, DataRecord, Record, Slice
+from vllm_tap.spec import CaptureSpec
 
 from . import delivery, ordering
 from . import handover as ho
 from .assembly import HOLD_NEWEST, Assembly, Tally, bottom, top
 from .events import (DROPPED, END_LOST, INCOMPLETE, MALFORMED, NOT_CAPTURED_PREVIOUS, OVER_BUDGET, OVERLOADED, TIMEOUT,
-                     WRITER_GONE, Begin, Event, Tokens, new_tokens)
+                     WRITER_GONE, Begin, Event, Gap, Tokens, new_tokens)
 from .lifecycle import NO_END, Barrier, Happens, Phase
 from .ordering import Span
 from .tiling import Alloc, StepGroup, named_sections, runs, tile
@@ -320,7 +321,7 @@ class Reassembler:
         """Every ring was read past where it stood end_grace_s after the END (or after the END was
         declared lost): what the capture still misses will not come."""
         if a.life.phase is Phase.ENDED_WAITING:
-            if a.inherited and not a.delivered and not a.groups and not a.ready:
+            if a.met_half_way and not a.groups and not a.ready:
                 self._finish(a, now, out, NOT_CAPTURED_PREVIOUS, Happens.BARRIER)  # its records went with a previous daemon
                 return
             self._fail_groups(a, list(a.groups.values()), a.unfinished())
@@ -356,6 +357,45 @@ class Reassembler:
                 continue
             self._adopt(a, end, slices, now, out)
         return out
+
+    def continue_filed(self, begin: Begin, history: list[Event], now: float) -> None:
+        """A capture in flight that an earlier daemon run filed (`history`: its Begin, Tokens and Gaps,
+        adopted from its journal, daemon/adoption.py) and whose rest is still to be read: records of
+        it go on from where that history stops, and what lies between (read by that run and never
+        filed) is a Gap NOT_CAPTURED_PREVIOUS, as for any head a previous daemon consumed. Emits
+        nothing: what it continues is filed already."""
+        if begin.request_id in self._requests:
+            return
+        a = Assembly(self.instance, begin.request_id, begin.tap_key, begin.num_prompt_tokens, begin.lazy, self.tally,
+                     source=begin.source, inherited=True, hold=self.hold_newest)
+        if begin.spec is not None:
+            a.apply_spec(CaptureSpec.from_meta(begin.spec), begin.source)
+        if not begin.lazy:
+            a.begin = ring_schema.BeginMeta(num_prompt_tokens=begin.num_prompt_tokens,
+                                            prompt_token_ids=begin.prompt_token_ids, n=begin.n, model=begin.model,
+                                            source=begin.source)
+        if a.start is None and begin.start_position is not None:
+            a.set_start(begin.start_position)
+        for ev in history[1:]:
+            if type(ev) is Tokens:
+                a.delivered += len(ev.positions)
+                lo, hi = ev.start, ev.stop
+            elif type(ev) is Gap:
+                a.missing.append(ev.positions)
+                lo, hi = ev.positions.start, ev.positions.stop
+            else:
+                continue
+            if a.frontier is None:
+                a.frontier = a.first_frontier = lo
+                if a.start is None:
+                    a.start = lo
+            a.frontier = hi
+            a.max_seen = max(a.max_seen, hi - 1)
+        a.adopted = a.delivered
+        a.resumed_at = a.frontier
+        self._requests[a.request_id] = a
+        self._finished.pop(a.request_id, None)
+        a.last_record_at = now
 
     def _adopt(self, a: Assembly, end: ControlRecord | None, slices: list[Slice], now: float,
                out: list[Event]) -> None:

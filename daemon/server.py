@@ -70,12 +70,16 @@ from vllm_tap.safe_paths import UnsafePath
 from vllm_tap.status_format import DaemonStatus, to_map
 
 from .access import RingAccess, narrow_socket, prepare_arena_dir, prepare_socket_dir, socket_gid, socket_path
+from . import adoption, handover
+from . import journal_format as jf
+from .adoption import Previous
 from .arena import Arena
 from .config import DaemonConfig
 from .config_load import is_loopback
 from .copier import Copier
 from .curve import CurveServer
 from .instances import Instances
+from .journal import Journal
 from .peer_link import HomeLink, PeerLink, link_of
 from .peers import Peers
 from .pins import Pins
@@ -84,7 +88,7 @@ from .engine_check import EngineCheck, placements_of
 from .ring_poller import RingPoller
 from .sequence import SequenceCounter
 from .status import StatusView
-from .store import Store
+from .store import Entry, Store
 from .subscribers import HubLimits, SubscriberHub
 from .watch import WatchHub
 
@@ -150,7 +154,11 @@ class Daemon:
         self.pins = Pins(config.arena_linger_s, config.arena_bytes // 2)
         # watch: sequence numbers and watchers (daemon/watch.py); told of every filed event and drop
         self.watch = WatchHub(pin=lambda rid, entry: self.pins.pin(rid, entry, None, time.monotonic()))
-        self.store.on_drop = self.watch.dropped
+        self.store.on_drop = self._dropped
+        self.journal: Journal | None = None  # what the arena holds, for the next daemon (daemon/journal.py)
+        self._previous: Previous | None = None  # an earlier run's journal, its arena reopened for adoption
+        self._stale_segments: list[str] = []
+        self.adopted = {"captures": 0, "in_flight": 0, "regions": 0, "refused": 0}
         self.hub = SubscriberHub(self.store, self.watch, self.pins,
                                  HubLimits(config.subscriber_queue, config.max_subscriptions,
                                            config.max_subscriptions_per_connection),
@@ -179,8 +187,16 @@ class Daemon:
         with self._lock:
             return self._snapshot()
 
+    def _dropped(self, entry: Entry, why: str) -> None:
+        self.watch.dropped(entry, why)
+        if self.journal is not None:
+            self.journal.dropped(entry, why)
+
     def _snapshot(self) -> DaemonStatus:
         snap = self.status.snapshot(arena=self.arena, copier=self.copier, peers=self._peers, nofile=self.nofile)
+        if snap.arena is not None:
+            snap.arena["journal"] = self.journal.snapshot() if self.journal is not None else None
+            snap.arena["adopted"] = dict(self.adopted)
         if self.link is not None:
             snap.federation = self.link.status()
         snap.engines = self.engines.status(time.monotonic())
@@ -226,7 +242,10 @@ class Daemon:
             # watch: the persisted sequence counter; SequenceStateError stops start-up (one line)
             self.watch.open(SequenceCounter(self.config.resolved_state_dir()))
             with self._lock:
-                self.instances.take_handover(self.config.resolved_state_dir(), time.monotonic())
+                state_dir = self.config.resolved_state_dir()
+                taken = handover.take(state_dir)
+                self._adopt(taken, time.monotonic())
+                self.instances.take_handover(state_dir, time.monotonic(), taken)
                 self.rings.discover(time.monotonic())
             log.info("serving %s; watching %s (%d rings, %s; descriptor limit %d)", self.endpoint,
                      self.config.shm_dir, len(self.rings.rings), "inotify" if self.rings.uses_inotify else "scanning",
@@ -244,6 +263,9 @@ class Daemon:
                 self.hub.serve(None)
                 if self.copier is not None:
                     self.copier.close()
+                if self.journal is not None:
+                    self.journal.close(keep=False)  # start-up failed after making it (a stop closed it already)
+                    self.journal = None
                 if self.arena is not None:
                     self.arena.close()  # also when start-up failed after making it
                 if self.link is not None:
@@ -367,6 +389,8 @@ class Daemon:
             if self.arena is not None:
                 self.arena.sweep(now)
             self.watch.tick(now)
+            if self.journal is not None:
+                self.journal.tick()
             hub.expire(now)
             if now - self._last_liveness >= LIVENESS_INTERVAL_S:
                 self._last_liveness = now
@@ -375,6 +399,8 @@ class Daemon:
             if now - self._last_probe >= PROBE_INTERVAL_S:
                 self._last_probe = now
                 hub.probe()
+        if self.journal is not None:
+            self.journal.flush()  # nothing goes out before the journal has it
         busy |= hub.send_all()
         busy |= self.watch.pump(hub.send, now)
         return busy
@@ -388,7 +414,15 @@ class Daemon:
         directory = self.config.resolved_arena_dir()
         try:
             made = prepare_arena_dir(directory, gid)
-            self.arena = Arena.create(directory, self.config.arena_bytes, gid)
+            previous, self._stale_segments = adoption.find(directory)
+            if previous is not None:
+                self.arena = Arena.reopen(directory, previous.arena_id, self.config.arena_bytes, gid)
+                if self.arena is not None:
+                    self._previous = previous
+                else:
+                    self._stale_segments += previous.names
+            if self.arena is None:
+                self.arena = Arena.create(directory, self.config.arena_bytes, gid)
         except UnsafePath:
             raise
         except OSError as e:
@@ -405,6 +439,48 @@ class Daemon:
         self.hub.use_arena(self.arena)
         self.watch.use_arena(self.arena)
 
+    def _adopt(self, taken: dict[str, list[handover.InFlight]], now: float) -> None:
+        """The captures the earlier run's journal names, adopted with its arena: retained ones under
+        their numbers, those in flight continued (unless its graceful stop handed them over, `taken`:
+        then the handover continues them); then this run's journal, beginning with all of them."""
+        arena, previous, self._previous = self.arena, self._previous, None
+        if arena is None:
+            return
+        held: list[Entry] = []
+        first_segment = 1
+        if previous is not None:
+            handed = {(inst, c.request_id) for inst, cs in taken.items() for c in cs}
+            logs = adoption.replay(previous.arena_id, previous.blobs)
+            found = adoption.captures(logs, arena, now)
+            self.adopted["refused"] = len(logs) - len(found)
+            wall = time.time()
+            for c in found:
+                begin = c.history[0]
+                ended = c.ended_wall is not None
+                if not ended and (begin.instance, begin.request_id) in handed:
+                    continue
+                finished_at = now - max(0.0, wall - c.ended_wall) if ended else now  # type: ignore[operator]
+                entry = self.store.adopt(c.seq, c.history, now, finished_at)
+                if entry is None:
+                    continue
+                self.watch.adopt(entry)
+                held.append(entry)
+                if not ended:
+                    self.instances.continue_filed(entry, now)
+                    self.adopted["in_flight"] += 1
+            self.adopted["captures"] = len(held)
+            first_segment = max((jf.parse_name(n) or (0, 0))[1] for n in previous.names) + 1 if previous.names else 1
+            self._stale_segments += previous.names
+        self.adopted["regions"] = arena.end_adoption()
+        if held:
+            log.info("adopted %d captures of the earlier daemon run from its arena (%d in flight), under their "
+                     "sequence numbers", len(held), self.adopted["in_flight"])
+        self.journal = Journal.start(arena, held, first_segment, self._stale_segments)
+        self._stale_segments = []
+        self.hub.journal = self.journal.filed
+        self.store.on_shed = self.journal.shed
+        self.store.evict(now)  # adopted captures past retain_ttl_s or beyond retain_bytes go now
+
     def _shutdown(self) -> None:
         reason = self._stop_reason
         hub = self.hub
@@ -420,8 +496,16 @@ class Daemon:
         self.rings.close()
         if self.copier is not None:
             self.copier.close()
+        # What the arena holds stays for the next daemon when the journal names any of it.
+        keep = self.journal is not None and not self.journal.failed and self.journal.held > 0
+        if self.journal is not None:
+            self.journal.close(keep=keep)
+            self.journal = None
         if self.arena is not None:
-            self.arena.close()
+            self.arena.close(keep=keep)
+            if keep:
+                log.info("the arena %s and its journal stay for the next daemon (%d captures)", self.arena.path,
+                         self.store.retained + self.store.in_flight)
 
 
 def _prepare_endpoint(endpoint: str, ctx: zmq.Context, gid: int | None = None) -> None:

@@ -80,6 +80,7 @@ class Store:
         self.evictions = 0
         # Told of every capture let go (evicted or replaced), with the reason: watchers report it.
         self.on_drop: Callable[[Entry, str], None] | None = None
+        self.on_shed: Callable[[Entry, str], None] | None = None  # told when a capture's data became gaps
 
     # -- stats --
 
@@ -111,7 +112,32 @@ class Store:
                 freed += ev.nbytes
         e.nbytes -= freed
         self.inflight_bytes -= freed
+        if self.on_shed is not None:
+            self.on_shed(e, reason)
         return freed
+
+    def adopt(self, seq: int, history: list[Event], now: float, finished_at: float) -> Entry | None:
+        """A capture an earlier daemon run filed (daemon/adoption.py): its Begin, what it delivered,
+        its End if it ended (then retained as if it ended at `finished_at`). None when a capture of
+        that key is already here."""
+        begin = history[0]
+        assert isinstance(begin, Begin)
+        if begin.key in self._entries:
+            return None
+        self._serial += 1
+        nbytes = sum(ev.nbytes for ev in history if isinstance(ev, Tokens)) + _EVENT_OVERHEAD * len(history)
+        e = Entry(begin.key, self._serial, begin, "", 0, (), list(history), nbytes, seq)
+        self._entries[begin.key] = e
+        self._identify(e)
+        last = history[-1]
+        if isinstance(last, End):
+            e.end = last
+            e.finished_at = finished_at
+            self._finished[begin.key] = None
+            self.retained_bytes += nbytes
+        else:
+            self.inflight_bytes += nbytes
+        return e
 
     # -- events --
 

@@ -107,6 +107,8 @@ class SubscriberHub:
         self._active: set[Subscription] = set()  # subscriptions with something to send
         self.latency = Histogram()
         self.counters = HubCounters()
+        # Told of every event filed, after the watch numbered it (the arena journal, daemon/journal.py)
+        self.journal: Callable[[Event, Entry], None] | None = None
 
     def serve(self, sock: zmq.Socket | None) -> None:
         """Answer on `sock` (the daemon's ROUTER socket) from now on; None: no longer."""
@@ -129,12 +131,14 @@ class SubscriberHub:
 
     def dispatch(self, events: list[Event], now: float) -> None:
         """File each event (store, watch) and wake the subscriptions of its capture."""
-        add, filed, by_key, active = self._store.add, self._watch.filed, self._by_key, self._active
+        add, filed, by_key, active, journal = self._store.add, self._watch.filed, self._by_key, self._active, self.journal
         for ev in events:
             entry = add(ev, now)
             if entry is None:
                 continue
             filed(ev, entry)
+            if journal is not None:
+                journal(ev, entry)
             if type(ev) is Begin:
                 self._resolve_pending(entry, now)
                 continue

@@ -232,6 +232,14 @@ class WatchHub:
                 w.dirty[seq] = None
                 self._active.add(w)
 
+    def adopt(self, entry: Entry) -> None:
+        """A capture an earlier daemon run numbered (daemon/adoption.py), under its number."""
+        seq = entry.seq
+        if not seq or seq in self._by_seq:
+            return
+        self._by_seq[seq] = entry
+        bisect.insort(self._present, seq)
+
     def dropped(self, entry: Entry, why: str) -> None:
         """The store let go of `entry` (evicted, or replaced before its end)."""
         seq = entry.seq
@@ -413,11 +421,14 @@ class WatchHub:
         c = w.cursor
         if c >= self.next_seq:
             return None
-        if c < self.run_first:
-            w.cursor = self.run_first
-            return self._lost(w, c, self.run_first - 1, wf.LOST_RESTARTED,
-                              "numbered by an earlier run of the daemon, whose memory is gone")
         entry = self._by_seq.get(c)
+        if c < self.run_first and entry is None and c not in self._gone:
+            # Numbered by an earlier run and not adopted from its arena (daemon/adoption.py): up to
+            # the next one that was, or this run's first.
+            end = min(self._next_present(c), self.run_first) - 1
+            w.cursor = end + 1
+            return self._lost(w, c, end, wf.LOST_RESTARTED,
+                              "numbered by an earlier run of the daemon, whose memory is gone")
         if entry is None:
             return self._absent(w, c)
         if not w.matches(_Fields.of(entry.begin)):

@@ -310,6 +310,7 @@ def run_demo(compiled: bool, keep: bool) -> int:
         server.stop()
         daemon.stop()
         shutil.rmtree(shm_dir, ignore_errors=True)
+        shutil.rmtree(shm_dir.rstrip("/") + ".arena", ignore_errors=True)  # the daemon's arena, kept for a next run
         if ok and not keep:
             shutil.rmtree(work, ignore_errors=True)
         else:

@@ -251,6 +251,7 @@ def main(argv=None) -> int:
                       f"  staging drops {row['staging_drops']}")
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(shm.rstrip("/") + ".arena", ignore_errors=True)  # the daemon's arena, kept for a next run
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "d2h_gbps": bw / 1e9, "hidden": hidden, "rows": rows}
     if args.out:

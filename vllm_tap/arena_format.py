@@ -61,6 +61,9 @@ HEADER = struct.Struct("<8sIIQQIIQQQQQ")
 # creator_pid, created_ns
 assert HEADER.size <= HEADER_SIZE
 
+PID = struct.Struct("<Q")
+HEADER_PID_OFFSET = 64  # creator_pid: the daemon that holds the arena now (a later run that adopts it writes its own)
+
 # The arena file is created with this mode (owner read/write, group read: subscribers in the
 # daemon's group may map it; nobody else can open it) and never widened.
 FILE_MODE = 0o640

@@ -160,6 +160,7 @@ def world(other_users_python):
         for t in (a, b):
             t.stop()
             shutil.rmtree(t.shm, ignore_errors=True)
+            shutil.rmtree(t.shm + ".arena", ignore_errors=True)  # kept by a stop with captures held
         shutil.rmtree(base, ignore_errors=True)
         _drop_accounts()
 

@@ -54,9 +54,20 @@ def _every_position_once_in_order(items, stop: int) -> tuple[list[int], list[tup
 # -- item 10: a daemon SIGKILLed and restarted while a request runs --
 
 
+def _not_adoptable(d) -> None:
+    """The next start asks for another arena size: the killed daemon's arena (and what its journal
+    says it holds) cannot be adopted, as after a reboot, so the next daemon meets its captures half way."""
+    d.settings["arena_bytes"] = 64 << 20
+
+
+@pytest.mark.parametrize("adopted", [True, False])
 @pytest.mark.parametrize("end_before_restart", [False, True])
 def test_a_new_subscriber_after_a_daemon_restart_gets_every_position_once_as_data_or_gap(
-        daemon_factory, shm_dir, end_before_restart):
+        daemon_factory, shm_dir, end_before_restart, adopted):
+    """Killed after it read positions 0..10 (delivering 0..9, holding 10 back for a later one): a
+    next daemon that adopts its arena delivers 0..9 again as data, 10 as a Gap; one that cannot (the
+    arena's size changed) meets the capture half way, the head one Gap. Either way every position
+    once, in order, with the engine's values."""
     sc = Scenario(tp=2, n_requests=1, prompt_len=8, gen_len=12, chunk=4)
     d = daemon_factory(end_grace_s=1.0)
     eng = SyntheticEngine(sc, shm_dir)
@@ -65,6 +76,8 @@ def test_a_new_subscriber_after_a_daemon_restart_gets_every_position_once_as_dat
         eng.run_step()  # positions 0..10
     _wait(lambda: _read_everything(d, sc), what="the first daemon to read 0..10")
     d.kill()
+    if not adopted:
+        _not_adoptable(d)
     if end_before_restart:
         while eng.run_step():  # 11..18 and the END, written while no daemon runs
             pass
@@ -79,12 +92,13 @@ def test_a_new_subscriber_after_a_daemon_restart_gets_every_position_once_as_dat
     t.join(30)
     items, end = got["r"]
     data, gaps = _every_position_once_in_order(items, sc.end_position)
-    assert gaps == [(range(0, 11), NOT_CAPTURED_PREVIOUS)], gaps  # the head, first and in order
-    assert data == list(range(11, sc.end_position))
-    assert end.reason == "length" and not end.complete and end.missing_positions == list(range(11))
+    lost = range(10, 11) if adopted else range(0, 11)
+    assert gaps == [(lost, NOT_CAPTURED_PREVIOUS)], gaps  # in order, where it belongs
+    assert data == [p for p in range(sc.end_position) if p not in lost]
+    assert end.reason == "length" and not end.complete and end.missing_positions == list(lost)
     exp = expected(sc, 0)
     got_logits = np.concatenate([c.logits for c in items if isinstance(c, Chunk)])
-    assert got_logits.tobytes() == exp["logits"][11:].tobytes()
+    assert got_logits.tobytes() == exp["logits"][data].tobytes()
 
 
 # -- item 11: the END never comes --
@@ -135,6 +149,7 @@ def test_a_subscriber_whose_capture_a_restarted_daemon_never_sees_again_is_told_
     t.start()
     _wait(lambda: _read_everything(d, sc) and d.status()["subscribers"] == 1, what="the stream")
     d.kill()
+    _not_adoptable(d)
     d.start()  # it finds nothing of this capture in the rings: the writer wrote nothing since
     t.join(30)
     assert not t.is_alive(), "the subscriber still waits"
@@ -205,7 +220,7 @@ def test_captures_end_after_the_daemon_is_stopped_resumed_and_stopped_again_then
     Every capture the new daemon sees ends within a bounded time although nothing but the engine's
     LIVE timer writes. A SIGTERM loses nothing: the END of every capture arrives (handed over when
     the stopped daemon had read it), and so does every position the stopped daemon had delivered
-    (its history goes over with the handover); a capture it had finished went with it. (Before: captures whose END the first daemon had read waited forever,
+    (its history goes over with the handover); a capture it had finished is adopted with its arena. (Before: captures whose END the first daemon had read waited forever,
     `ended: false`, even with every position delivered.)"""
     sc = Scenario(tp=2, n_requests=6, prompt_len=8, gen_len=40, chunk=8, vocab=1 << 17, hidden=64,
                   ring_bytes=128 << 20)
@@ -239,10 +254,9 @@ def test_captures_end_after_the_daemon_is_stopped_resumed_and_stopped_again_then
         pos = cap.positions.tolist()
         assert pos == sorted(pos) and not set(pos) & set(cap.missing_positions), rid
         assert sorted(pos + list(cap.missing_positions)) == list(range(sc.end_position)), rid
-        if pos and second_stop == "SIGKILL":  # what came is what was written, and it is a tail: the
-            # head went with the first daemon
-            assert cap.logits.tobytes() == exp["logits"][pos[0]:].tobytes(), rid
-            assert pos == list(range(pos[0], sc.end_position)), rid
+        if pos and second_stop == "SIGKILL":  # what came is what was written: what the killed daemon
+            # had filed (adopted with its arena), then what the next one read
+            assert cap.logits.tobytes() == exp["logits"][pos].tobytes(), rid
         if second_stop == "SIGTERM":
             assert cap.finish_reason == "length" and cap.end_position == sc.end_position, (rid, cap.finish_reason)
             # What the stopped daemon had delivered went over with the handover: nothing is missing.
@@ -325,10 +339,13 @@ def test_a_backlog_read_long_after_its_ends_arrives_whole_with_no_timeout(daemon
     assert not any(s["gap_positions"].values()) and s["requests_waiting_for_rings"] == 0
     assert s["pending_bytes"] == 0 and s["pending_s"] == 0 and all(r["pending_s"] == 0 for r in s["rings"])
 
-def test_a_capture_whose_head_and_end_went_with_a_killed_daemon_lists_the_head_as_missing(daemon_factory, shm_dir):
+@pytest.mark.parametrize("adopted", [True, False])
+def test_a_capture_whose_head_and_end_went_with_a_killed_daemon_lists_the_head_as_missing(daemon_factory, shm_dir,
+                                                                                         adopted):
     """A daemon reads a capture's BEGIN and its first positions and is killed (SIGKILL); the END is
-    lost too (the killed daemon read it, or the engine could not write it). The next daemon meets
-    the capture half way, and its end `end lost`: every position of the head is in
+    lost too (the killed daemon read it, or the engine could not write it). The next daemon adopts
+    the killed one's arena with what it had filed (0..9), or, where it cannot (the arena's size
+    changed), meets the capture half way; its end is `end lost`, every position it lacks is in
     `missing_positions`, so positions + missing_positions is the expected range, and the end is
     marked unknown. (Before: a fetch's subscription that resumed after the daemon's silence got an
     End listing what was missing from where it resumed, and the head it had been sent as a Gap was
@@ -342,6 +359,8 @@ def test_a_capture_whose_head_and_end_went_with_a_killed_daemon_lists_the_head_a
         eng.run_step()  # positions 0..10
     _wait(lambda: _read_everything(d, sc), what="the first daemon to read 0..10")
     d.kill()
+    if not adopted:
+        _not_adoptable(d)
     while eng.run_step():  # 11..18, written while no daemon runs
         pass
     eng.live([])
@@ -350,5 +369,7 @@ def test_a_capture_whose_head_and_end_went_with_a_killed_daemon_lists_the_head_a
     eng.live([])
     cap = d.client().fetch(sc.request_id(0), timeout=30)
     assert cap.finish_reason == END_LOST and not cap.complete and not cap.end_known and cap.expected == (0, 19)
-    assert cap.positions.tolist() == list(range(11, sc.end_position))
-    assert list(cap.missing_positions) == list(range(11)), cap.missing_positions
+    lost = [10] if adopted else list(range(11))
+    assert cap.positions.tolist() == [p for p in range(sc.end_position) if p not in lost]
+    assert list(cap.missing_positions) == lost, cap.missing_positions
+    assert cap.logits.tobytes() == expected(sc, 0)["logits"][cap.positions].tobytes()

@@ -246,3 +246,45 @@ def test_the_peer_dials_a_restarted_home_again_and_captures_go_on_across_the_res
                 assert got[name].tobytes() == want[name][here].tobytes(), name
     finally:
         eng.close()
+
+
+def test_a_recorder_of_the_home_daemon_records_two_host_captures_whole(hosts, tmp_path):
+    """`vllm-tap record` pointed at the home daemon stores captures whose second stage ran on the
+    peer host exactly as one host's: every position, every layer, the engine's values."""
+    import numpy as np
+    import pyarrow as pa
+
+    from vllm_tap import dataset_format as df
+    from vllm_tap.client.datasets import open_dataset
+
+    home, start_peer, peer_shm = hosts
+    start_peer()
+    wait_until(lambda: len(peers_of(home)) == 1, 15, "the peer daemon's session at the home")
+    sc = Scenario(n_requests=3, prompt_len=6, gen_len=4, tp=1, pp=2, layers=(0, 1), chunk=3, prefix="rec",
+                  instance="recorded")
+    eng = two_host_engine(sc, home.shm_dir, peer_shm)
+    dest = str(tmp_path / "ds")
+    try:
+        eng.run()
+        assert eng.flush() and eng.dropped == 0
+        r = subprocess.run([sys.executable, "-m", "vllm_tap.cli", "record", dest, "--endpoint", home.endpoint,
+                            "--writer", "home-host", "--quiet", "--max-captures", str(sc.n_requests)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+    finally:
+        eng.close()
+    ds = open_dataset(dest)
+    assert not list(ds.gaps)
+    t = ds.to_pyarrow().to_table(columns=["request_id", "position", "token_id", "logits", df.hook_name(0),
+                                          df.hook_name(1)])
+    rid = np.array(t.column("request_id").to_pylist())
+    pos = t.column("position").to_numpy()
+    for i in range(sc.n_requests):
+        sel = np.nonzero(rid == sc.request_id(i))[0]
+        part = t.take(pa.array(sel[np.argsort(pos[sel])]))
+        want = expected(sc, i)
+        assert part.column("position").to_numpy().tolist() == list(range(sc.end_position))
+        assert part.column("token_id").to_numpy().tolist() == want["token_ids"].tolist()
+        for col, name in (("logits", "logits"), (df.hook_name(0), "hidden.0"), (df.hook_name(1), "hidden.1")):
+            got = np.stack(part.column(col).to_numpy(zero_copy_only=False))
+            assert got.tobytes() == want[name].tobytes(), (sc.request_id(i), col)

@@ -136,7 +136,8 @@ def test_a_daemon_killed_restarted_and_stopped_under_traffic_never_calls_data_in
     restarted twice, then stopped for 4 s and resumed, and for 6 s more. vLLM serves everything. Every
     capture the last daemon met ends, has each expected position once, as data equal to vLLM's
     logprobs or as a gap, and no gap says `timeout` or `incomplete`: a killed daemon costs what it had
-    read (`not captured: consumed by a previous daemon`, `end lost`), a stopped one nothing."""
+    read and not filed (`not captured: consumed by a previous daemon`, `end lost`), a stopped one
+    nothing; and no capture is lost (the next daemon adopts a killed one's arena)."""
     _sync(stack)
     rng = random.Random(7)
     plan = [[(rng.randint(6, 30), rng.randint(50, 200)) for _ in range(400)] for _ in range(4)]
@@ -185,7 +186,7 @@ def test_a_daemon_killed_restarted_and_stopped_under_traffic_never_calls_data_in
         try:
             rows, gaps, _ = _stream(stack, r.id, timeout=3)
         except CaptureNotFound:
-            return None  # read whole by a daemon since killed: the last one never met it
+            return None  # lost to a restart: none may be (a killed daemon's arena is adopted)
         _matches_vllm(r.id, rows, r, prompt_len)
         reasons: dict[str, int] = {}
         for positions, reason in gaps:
@@ -193,29 +194,33 @@ def test_a_daemon_killed_restarted_and_stopped_under_traffic_never_calls_data_in
         return len(rows), reasons
 
     with cf.ThreadPoolExecutor(32) as ex:
-        results = [x for x in ex.map(check, done) if x is not None]
+        found = list(ex.map(check, done))
+    lost = [r.id for (r, _), x in zip(done, found) if x is None]
+    assert not lost, f"{len(lost)} of {len(done)} captures not found after the restarts: {lost[:5]}"
+    results = [x for x in found if x is not None]
     reasons: dict[str, int] = {}
     for _, rs in results:
         for k, v in rs.items():
             reasons[k] = reasons.get(k, 0) + v
     delivered = sum(n for n, _ in results)
-    print(f"\n{len(done)} requests, {len(results)} met by the last daemon: {delivered} positions delivered; "
+    print(f"\n{len(done)} requests, all fetchable from the last daemon: {delivered} positions delivered; "
           f"gaps by reason: {reasons}")
     assert len(results) >= 10 and delivered > 0
     assert "timeout" not in reasons and "incomplete" not in reasons, reasons
 
 
-@pytest.mark.parametrize("stop, after_s", [("SIGTERM", 0.03), ("SIGKILL", 0.005)])
+@pytest.mark.parametrize("stop, after_s", [("SIGTERM", 0.03), ("SIGTERM", 0.1), ("SIGKILL", 0.005), ("SIGKILL", 0.1)])
 def test_a_daemon_stopped_or_killed_while_it_reads_a_backlog_accounts_for_every_position(stack, stop, after_s):
     """The daemon is stopped (SIGSTOP) while 6 captured requests (40-token prompts, 300 tokens) run to
-    their end, resumed, and 30 ms later (SIGTERM, the upgrade path) or 5 ms later (SIGKILL: a killed
-    daemon's finished captures go with it, so it must be caught early in the backlog) stopped or
-    killed, in the middle of reading the backlog; a new daemon starts. Every capture it knows accounts for every
-    expected position: positions + missing_positions is the expected range from position 0, the data
-    equal to vLLM's logprobs. After SIGTERM nothing is missing: what the stopped daemon had read went
-    over with the handover. (Before: after SIGTERM, 733 of 939 positions a capture were a Gap
-    `consumed by a previous daemon`; after SIGKILL, the head it had read was absent and
-    missing_positions empty.)"""
+    their end, resumed, and 30 or 100 ms later stopped (SIGTERM, the upgrade path) or 5 or 100 ms
+    later killed (SIGKILL), in the middle of reading the backlog; a new daemon starts. Every capture is
+    there (the new daemon adopted the arena of the old one with the captures it had finished, and
+    continues those in flight), and accounts for every expected position: positions +
+    missing_positions is the expected range from position 0, the data equal to vLLM's logprobs.
+    After SIGTERM nothing is missing: what the stopped daemon had read went over with the handover.
+    (Before: after SIGTERM, 733 of 939 positions a capture were a Gap `consumed by a previous
+    daemon`; after SIGKILL, the head it had read was absent and missing_positions empty, and every
+    capture the killed daemon had finished was not found.)"""
     _sync(stack)
     prompt_len, max_tokens = 40, 300
     pid = stack.daemon.proc.pid
@@ -233,13 +238,8 @@ def test_a_daemon_stopped_or_killed_while_it_reads_a_backlog_accounts_for_every_
         stack.daemon.proc.kill()
         stack.daemon.proc.wait()
     stack.daemon.start(timeout=90)
-    met = 0
     for r in responses:
-        try:
-            cap = stack.client.fetch(r.id, timeout=60)
-        except CaptureNotFound:
-            continue  # finished and retained by the stopped daemon, which took it along
-        met += 1
+        cap = stack.client.fetch(r.id, timeout=60)  # CaptureNotFound: a capture the restart lost
         pos = cap.positions.tolist()
         assert cap.expected is not None and cap.expected[0] == 0, (r.id, cap.expected)
         assert sorted(pos + list(cap.missing_positions)) == list(range(*cap.expected)), \
@@ -249,5 +249,5 @@ def test_a_daemon_stopped_or_killed_while_it_reads_a_backlog_accounts_for_every_
         if stop == "SIGTERM":
             assert cap.complete and pos == list(range(prompt_len + max_tokens - 1)), \
                 (r.id, cap.finish_reason, cap.missing_positions.ranges)
-    print(f"\n{stop}: {met} of {len(responses)} captures met by the new daemon")
-    assert met >= 1
+    adopted = stack.client.status()["arena"]["adopted"]
+    print(f"\n{stop} after {after_s * 1000:g} ms: the new daemon adopted {adopted}")

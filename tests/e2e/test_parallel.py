@@ -71,6 +71,7 @@ def runs():
     finally:
         daemon.stop()
         shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(shm.rstrip("/") + ".arena", ignore_errors=True)  # the daemon's arena, kept for a next run
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -51,6 +51,7 @@ def test_recomputed_positions_are_delivered_once_and_right():
                 (data if rec.kind == RecordKind.DATA else control).append(rec)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(shm.rstrip("/") + ".arena", ignore_errors=True)  # the daemon's arena, kept for a next run
 
     written = collections.Counter((r.request_id, p) for r in per_tensor(data) if r.tensor.name == "logits"
                                   for p in r.positions.tolist())

@@ -233,6 +233,7 @@ def _start_failure(reducers: dict) -> tuple[int, list[str]]:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(f"/dev/shm/vt-red-fail-{os.getpid()}", ignore_errors=True)
+        shutil.rmtree(f"/dev/shm/vt-red-fail-{os.getpid()}.arena", ignore_errors=True)
 
 
 def test_bad_reducer_files_and_layers_stop_start_up_with_one_line(files, tmp_path):

@@ -105,6 +105,7 @@ def pending(n_sub: int = 100_000, n_req: int = 100) -> dict:
     finally:
         d.stop(30)
         shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(shm.rstrip("/") + ".arena", ignore_errors=True)  # the daemon's arena, kept for a next run
         shutil.rmtree(sd, ignore_errors=True)
     return out
 
@@ -128,6 +129,7 @@ def junk(n: int = 100_000, seconds: float = 15.0) -> dict:
     finally:
         d.stop(30)
         shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(shm.rstrip("/") + ".arena", ignore_errors=True)  # the daemon's arena, kept for a next run
         shutil.rmtree(sd, ignore_errors=True)
     a = np.array(lat)
     return {"status_calls": len(a), "p50_ms": float(np.percentile(a, 50) * 1e3), "p99_ms": float(np.percentile(a, 99) * 1e3),
@@ -166,6 +168,7 @@ def death(runs: int = 5) -> dict:
             w.wait()
             d.stop(30)
             shutil.rmtree(shm, ignore_errors=True)
+            shutil.rmtree(shm.rstrip("/") + ".arena", ignore_errors=True)  # the daemon's arena, kept for a next run
             shutil.rmtree(sd, ignore_errors=True)
     return {"runs": runs, "seconds": [round(x, 3) for x in took], "median_s": float(np.median(took))}
 

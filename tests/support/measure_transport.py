@@ -173,6 +173,7 @@ def main() -> int:
         }
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(shm.rstrip("/") + ".arena", ignore_errors=True)  # the daemon's arena, kept for a next run
         shutil.rmtree(sock, ignore_errors=True)
     if args.json:
         print(json.dumps(out, indent=2))

@@ -326,6 +326,7 @@ def run(p: IngestParams, workdir: str, echo=print) -> dict[str, Any]:
             finally:
                 daemon.stop()
                 shutil.rmtree(shm, ignore_errors=True)
+                shutil.rmtree(shm.rstrip("/") + ".arena", ignore_errors=True)  # the daemon's arena, kept for a next run
                 shutil.rmtree(sock, ignore_errors=True)
                 if daemon.state_dir:
                     shutil.rmtree(daemon.state_dir, ignore_errors=True)

@@ -323,6 +323,7 @@ def run_e2e(p: RecordParams, root: str, echo: Callable[[str], None], raw_mb_s: f
             proc.join(60)
             daemon.stop()
             shutil.rmtree(shm, ignore_errors=True)
+            shutil.rmtree(shm.rstrip("/") + ".arena", ignore_errors=True)  # the daemon's arena, kept for a next run
             shutil.rmtree(tmp, ignore_errors=True)
         # lag: from the writer's last commit to the recorder's last manifest (or the watch's last capture)
         lag = closed_at - finished_at.value if finished_at.value else None
