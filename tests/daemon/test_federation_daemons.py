@@ -264,15 +264,19 @@ def test_a_recorder_of_the_home_daemon_records_two_host_captures_whole(hosts, tm
                   instance="recorded")
     eng = two_host_engine(sc, home.shm_dir, peer_shm)
     dest = str(tmp_path / "ds")
+    log_path = str(tmp_path / "record.log")
+    rec = subprocess.Popen([sys.executable, "-m", "vllm_tap.cli", "record", dest, "--endpoint", home.endpoint,
+                            "--writer", "home-host", "--quiet", "--max-captures", str(sc.n_requests)],
+                           stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
     try:
+        wait_until(lambda: home.status()["watchers"] or rec.poll() is not None, 30, "the recorder's watch")
         eng.run()
         assert eng.flush() and eng.dropped == 0
-        r = subprocess.run([sys.executable, "-m", "vllm_tap.cli", "record", dest, "--endpoint", home.endpoint,
-                            "--writer", "home-host", "--quiet", "--max-captures", str(sc.n_requests)],
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stderr[-2000:]
+        assert rec.wait(120) == 0, open(log_path).read()[-2000:]
     finally:
         eng.close()
+        if rec.poll() is None:
+            rec.kill()
     ds = open_dataset(dest)
     assert not list(ds.gaps)
     t = ds.to_pyarrow().to_table(columns=["request_id", "position", "token_id", "logits", df.hook_name(0),
