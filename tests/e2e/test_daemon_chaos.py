@@ -290,6 +290,7 @@ def test_a_daemon_killed_stopped_and_restarted_at_random_under_captured_load_los
 
     # The probe: status every 50 ms while the daemon runs (down or stopped: skipped).
     latencies: list[float] = []
+    slow: list[tuple[float, float]] = []  # (seconds into the load, seconds) of answers over 100 ms
     unanswered: list[float] = []  # when (seconds into the load) a running daemon left status unanswered
     probing = threading.Event()
 
@@ -310,6 +311,8 @@ def test_a_daemon_killed_stopped_and_restarted_at_random_under_captured_load_los
                 if daemon.get() == (phase, epoch):
                     if ok:
                         latencies.append(dt)
+                        if dt > 0.1:
+                            slow.append((now() - dt, dt))
                     else:
                         unanswered.append(now())
                 time.sleep(max(0.0, PROBE_PERIOD_S - dt))
@@ -445,6 +448,7 @@ def test_a_daemon_killed_stopped_and_restarted_at_random_under_captured_load_los
         "status_p50_ms": None if not latencies else round(1000 * _percentile(latencies, 50), 2),
         "status_p99_ms": None if not latencies else round(1000 * _percentile(latencies, 99), 2),
         "status_max_ms": None if not latencies else round(1000 * max(latencies), 2),
+        "status_over_100ms": len(slow),
         "captures_found": len(results) - len(not_found), "captures_not_found": len(not_found),
         "not_found_after": not_found_by, "end_unknown": sum(1 for r in results if r.get("end_known") is False),
         "positions_delivered": sum(r.get("delivered", 0) for r in results), "gap_positions_by_reason": gaps_by_reason,
@@ -455,7 +459,8 @@ def test_a_daemon_killed_stopped_and_restarted_at_random_under_captured_load_los
     }
     detail = {**report, "captures": [{**{k: v for k, v in r.items() if k != "problems"}, "t_sent": round(sent[r["index"]].t_sent, 2),
                                      "t_done": round(sent[r["index"]].t_done, 2)} for r in results],
-              "lost": [(x.first, x.last, x.reason) for x in lost], "seqs": seqs}
+              "lost": [(x.first, x.last, x.reason) for x in lost], "seqs": seqs,
+              "status_over_100ms": [(round(t, 2), round(1000 * dt)) for t, dt in slow]}
     (tmp_path / "chaos-detail.json").write_text(json.dumps(detail, indent=1, default=str))
     text = json.dumps(report, indent=1, default=str)
     (tmp_path / "chaos-report.json").write_text(text)
