@@ -74,3 +74,29 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     m = x.max(-1, keepdims=True)
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+# The tiny tokenizer's first ids (EOS is ignored, so it is sampled too); its other words are w<id>.
+TINY_SPECIALS = {"<unk>": 0, "<s>": 1, "</s>": 2}
+
+
+def tiny_token_id(word: str) -> int:
+    """The id of a word of the tiny tokenizer, as a completion's logprobs.tokens spells it."""
+    word = word.strip()
+    return TINY_SPECIALS[word] if word in TINY_SPECIALS else int(word[1:])
+
+
+def logprob_mismatches(rows: dict[int, np.ndarray], response, prompt_len: int,
+                       tol: float) -> list[tuple[int, float, float]]:
+    """(k, from the logits, vLLM's) for each delivered output position whose logits do not give the
+    logprob vLLM reported for the token it chose (a completion with logprobs=1): output token k is
+    chosen by the logits at position prompt_len - 1 + k."""
+    lp = response.choices[0].logprobs
+    bad = []
+    for k, (word, want) in enumerate(zip(lp.tokens, lp.token_logprobs)):
+        row = rows.get(prompt_len - 1 + k)
+        if row is not None:
+            got = float(log_softmax(row[None, :])[0, tiny_token_id(word)])
+            if not abs(got - want) <= tol:
+                bad.append((k, got, want))
+    return bad
