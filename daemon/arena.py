@@ -412,7 +412,9 @@ class Arena:
         lo = offset - region._off * af.BLOCK
         if lo < 0 or lo % dt.itemsize or lo + count * dt.itemsize > region._blocks * af.BLOCK:
             return None
-        return np.frombuffer(region, dt, count=count, offset=lo).reshape(shape)
+        # A slice of the whole region's bytes, not frombuffer(region, offset=lo): locate() takes an
+        # array whose base is a frombuffer of its region for one that starts where the region does.
+        return np.frombuffer(region, np.uint8)[lo:lo + count * dt.itemsize].view(dt).reshape(shape)
 
     def _take(self, order: int) -> int | None:
         b = self._find(order)

@@ -243,6 +243,25 @@ def _adopt(tmp_path, build):
     return out, b
 
 
+def test_adopted_arrays_are_described_where_they_lie(tmp_path):
+    """Several tensors of one region (the sections of one ring record): each adopted array is
+    located, for descriptors to subscribers, at its own offset, not at its region's start."""
+    def build(a):
+        whole = a.alloc((3, 64), np.float32)
+        whole[:] = np.arange(3)[:, None]
+        _data.keep.append(whole)
+        block, blocks, gen, offset = a.region_of(whole)
+        refs = [jf.Ref(f"t{k}", 1, 1, 64, block, blocks, gen, offset + k * 256) for k in range(3)]
+        return _journal(a, _began(1), jf.Data(1, 0, np.zeros(1, "<i4").tobytes(), 2, refs))
+
+    out, arena = _adopt(tmp_path, build)
+    (tok,) = [e for e in out[0].history if type(e).__name__ == "Tokens"]
+    for k in range(3):
+        arr = tok.tensors[f"t{k}"]
+        assert arr.tolist() == [[float(k)] * 64]
+        assert arena.locate(arr)[2] - arena.locate(tok.tensors["t0"])[2] == k * 256
+
+
 def test_replay_follows_begin_data_end_forget_and_a_checkpoint(tmp_path):
     from vllm_tap.daemon import adoption
 

@@ -457,7 +457,7 @@ def test_a_daemon_killed_stopped_and_restarted_at_random_under_captured_load_los
                   "requests_watched_twice": sum(1 for r in results if r.get("watched", 0) > 1)},
         "problems": len(problems), "watch_problems": len(watch_problems),
     }
-    detail = {**report, "captures": [{**{k: v for k, v in r.items() if k != "problems"}, "t_sent": round(sent[r["index"]].t_sent, 2),
+    detail = {**report, "captures": [{**r, "t_sent": round(sent[r["index"]].t_sent, 2),
                                      "t_done": round(sent[r["index"]].t_done, 2)} for r in results],
               "lost": [(x.first, x.last, x.reason) for x in lost], "seqs": seqs,
               "status_over_100ms": [(round(t, 2), round(1000 * dt)) for t, dt in slow]}
