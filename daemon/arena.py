@@ -257,9 +257,10 @@ class Arena:
             return None
         if int(self._gens[block]) != gen:
             return None
-        for other in adopting.values():
-            if other._off < block + blocks and block < other._off + other._blocks:
-                return None
+        claimed = self._dirty  # free of meaning until end_adoption(): marks the blocks adopted regions hold
+        if claimed[block:block + blocks].any():
+            return None  # overlaps another adopted region
+        claimed[block:block + blocks] = True
         size = blocks * af.BLOCK
         region = _region_type(size).from_buffer(self._mm, self.data_offset + block * af.BLOCK)
         region._arena = self
@@ -275,6 +276,7 @@ class Arena:
         """Everything no adopted region holds is free (its values zeroed by `sweep`, its generation
         moved on so no earlier descriptor of it still matches). Returns the regions adopted."""
         adopting, self._adopting = self._adopting or {}, None
+        self._dirty[:] = False
         held = sorted((r._off, r._off + r._blocks) for r in adopting.values())
         at = 0
         # The rest goes back to tmpfs (a hole reads as zeros and holds no memory): zeroing it would

@@ -449,6 +449,7 @@ class Daemon:
         held: list[Entry] = []
         first_segment = 1
         if previous is not None:
+            t0 = time.monotonic()
             handed = {(inst, c.request_id) for inst, cs in taken.items() for c in cs}
             logs = adoption.replay(previous.arena_id, previous.blobs)
             found = adoption.captures(logs, arena, now)
@@ -474,7 +475,7 @@ class Daemon:
         self.adopted["regions"] = arena.end_adoption()
         if held:
             log.info("adopted %d captures of the earlier daemon run from its arena (%d in flight), under their "
-                     "sequence numbers", len(held), self.adopted["in_flight"])
+                     "sequence numbers, in %.2f s", len(held), self.adopted["in_flight"], time.monotonic() - t0)
         self.journal = Journal.start(arena, held, first_segment, self._stale_segments)
         self._stale_segments = []
         self.hub.journal = self.journal.filed
