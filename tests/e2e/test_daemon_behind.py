@@ -197,11 +197,11 @@ def test_a_daemon_killed_restarted_and_stopped_under_traffic_never_calls_data_in
     assert "timeout" not in reasons and "incomplete" not in reasons, reasons
 
 
-@pytest.mark.parametrize("stop, after_s", [("SIGTERM", 0.03), ("SIGTERM", 0.1), ("SIGKILL", 0.005), ("SIGKILL", 0.1)])
+@pytest.mark.parametrize("stop, after_s", [(s, t) for s in ("SIGTERM", "SIGKILL") for t in (0.005, 0.03, 0.1)])
 def test_a_daemon_stopped_or_killed_while_it_reads_a_backlog_accounts_for_every_position(stack, stop, after_s):
     """The daemon is stopped (SIGSTOP) while 6 captured requests (40-token prompts, 300 tokens) run to
-    their end, resumed, and 30 or 100 ms later stopped (SIGTERM, the upgrade path) or 5 or 100 ms
-    later killed (SIGKILL), in the middle of reading the backlog; a new daemon starts. Every capture is
+    their end, resumed, and 5, 30 or 100 ms later stopped (SIGTERM, the upgrade path) or killed
+    (SIGKILL), in the middle of reading the backlog; a new daemon starts. Every capture is
     there (the new daemon adopted the arena of the old one with the captures it had finished, and
     continues those in flight), and accounts for every expected position: positions +
     missing_positions is the expected range from position 0, the data equal to vLLM's logprobs.

@@ -13,7 +13,8 @@ number once, as a capture or inside a LostCaptures.
 The randomness comes from one seed (VLLM_TAP_CHAOS_SEED, else SEED), printed with every failure.
 The status latencies, the events and the gaps by reason go to stderr and to chaos-report.json in
 the test's tmp_path (chaos-detail.json adds every capture and the watch's items); nothing about time
-is asserted.
+is asserted. VLLM_TAP_CHAOS_EVENTS=none runs the same load without chaos: the status latency the
+box gives with vLLM's CPU engine on the same cores, to compare with.
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ def make_plan(seed: int) -> Plan:
     rng.shuffle(kinds)
     events = [Event(k, rng.uniform(0.3, 1.5), rng.uniform(0.02, 0.15),
                     rng.uniform(0.2, 1.5) if k == "SIGSTOP" else rng.uniform(0.0, 0.5)) for k in kinds]
+    if os.environ.get("VLLM_TAP_CHAOS_EVENTS") == "none":  # the same load, no chaos: the box's own status latency
+        events = []
     return Plan(seed, requests, events)
 
 
