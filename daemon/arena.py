@@ -68,6 +68,17 @@ ZERO_WITHIN_S = 1.0  # under load, a freed region not taken again is zeroed afte
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+def _sizing(capacity: int) -> tuple[int, int]:
+    """(top order, capacity) of an arena asked for `capacity` bytes: its largest region is up to
+    MAX_TOP, and the capacity a whole number of those."""
+    top_order = 0
+    want = max(af.BLOCK, min(capacity, MAX_TOP))
+    while (af.BLOCK << top_order) < want:
+        top_order += 1
+    top = af.BLOCK << top_order
+    return top_order, (max(capacity, af.BLOCK) + top - 1) // top * top
+
+
 def create_private_file(dir_fd: int, name: str, mode: int, gid: int | None = None) -> int:
     """A new regular file `name` under an opened directory, readable as `mode` allows and no more:
     O_EXCL (never someone else's file or link), O_NOFOLLOW, in group `gid` if given, then fchmod
@@ -162,12 +173,7 @@ class Arena:
     @classmethod
     def create(cls, directory: str, capacity: int, gid: int | None = None) -> "Arena":
         """OSError when the directory cannot hold it. `gid`: the group that may map it (subscribers)."""
-        top_order = 0
-        want = max(af.BLOCK, min(capacity, MAX_TOP))
-        while (af.BLOCK << top_order) < want:
-            top_order += 1
-        top = af.BLOCK << top_order
-        capacity = (max(capacity, af.BLOCK) + top - 1) // top * top
+        top_order, capacity = _sizing(capacity)
         dir_fd = os.open(directory, _DIR_FLAGS)
         try:
             remove_stale(dir_fd, directory)
@@ -191,7 +197,7 @@ class Arena:
             raise
         a = cls(os.path.join(directory, name), dir_fd, name, fd, mm, arena_id, capacity, top_order)
         a._mark_committed(0, data_off)
-        log.info("delivery arena %s: %d MiB (regions up to %d MiB)", a.path, capacity >> 20, top >> 20)
+        log.info("delivery arena %s: %d MiB (regions up to %d MiB)", a.path, capacity >> 20, (af.BLOCK << top_order) >> 20)
         return a
 
     @classmethod
@@ -201,12 +207,7 @@ class Arena:
         of ours, writable by others, another size than `capacity` asks for, a header that does not
         match its layout, or its daemon still running. Then adopt_region() for each region to keep,
         and end_adoption() before the first alloc()."""
-        top_order = 0
-        want = max(af.BLOCK, min(capacity, MAX_TOP))
-        while (af.BLOCK << top_order) < want:
-            top_order += 1
-        top = af.BLOCK << top_order
-        capacity = (max(capacity, af.BLOCK) + top - 1) // top * top
+        top_order, capacity = _sizing(capacity)
         name = af.arena_name(arena_id)
         dir_fd = os.open(directory, _DIR_FLAGS)
         fd = -1
