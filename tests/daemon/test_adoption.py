@@ -355,3 +355,64 @@ def test_adopting_an_arena_gives_back_the_memory_its_captures_do_not_hold(tmp_pa
     assert view.tolist() == [[3.0] * 1024] * 4
     fresh = b.alloc((1024, 1024), np.float32)  # what was given back is handed out again, all zeros
     assert fresh is not None and not fresh.any()
+
+
+def test_the_journal_stays_bounded_and_replays_what_is_held_across_segments(tmp_path, monkeypatch):
+    """Many captures filed and let go, two held throughout: segments roll, those no held capture
+    needs are removed, the held ones are written again when old segments hold much more than they
+    need, and a replay of what is left gives exactly the captures held, with their values."""
+    from vllm_tap.daemon import adoption
+    from vllm_tap.daemon import journal as jmod
+    from vllm_tap.daemon.arena import Arena
+    from vllm_tap.daemon.events import Begin, End, new_tokens
+    from vllm_tap.daemon.store import Store
+    from vllm_tap.positions import PositionRanges
+
+    monkeypatch.setattr(jmod, "SEGMENT_BYTES", 4096)
+    monkeypatch.setattr(jmod, "MIN_RELOCATE_BYTES", 16384)
+    a = _arena(tmp_path, 16 << 20)
+    j = jmod.Journal.start(a, [], 1, [])
+    store = Store(1 << 40, 1e9)
+    store.on_drop = j.dropped
+
+    def file(seq: int) -> None:
+        rid = f"r{seq}"
+        evs = [Begin("default", rid, "", 2, [1, 2], 1, "m", None, 0, False, False, 0.0)]
+        for p in range(3):
+            arr = a.alloc((1, 16), np.float32)
+            arr[:] = seq * 10 + p
+            pos = np.array([p], np.int32)
+            evs.append(new_tokens("default", rid, pos, pos + 100, 2, {"logits": arr}, {"logits": 1}, 0.0, 72))
+        evs.append(End("default", rid, "length", 2, 1, [5], 3, (0, 3), PositionRanges(), 3, 0.0))
+        for ev in evs:
+            e = store.add(ev, 0.0)
+            if type(ev) is Begin:
+                e.seq = seq
+            j.filed(ev, e)
+
+    for seq in range(1, 301):
+        file(seq)
+        if seq > 2:
+            e = store.get(("default", f"r{seq - 1}")) if seq > 3 else None
+            if e is not None:
+                store._drop(e, "evicted")  # all but the first two go soon after they end
+        if seq % 7 == 0:
+            j.tick()
+    j.tick()
+    j.tick()
+    names = sorted(n for n in os.listdir(tmp_path) if n.startswith(jf.JOURNAL_PREFIX))
+    assert j.relocated_bytes > 0 and len(names) <= 8, (j.snapshot(), names)
+    blobs = [open(tmp_path / n, "rb").read() for n in names]
+    logs = adoption.replay(a.arena_id, blobs)
+    assert sorted(logs) == [1, 2, 300]
+    j.close(keep=True)
+    a.close(keep=True)
+    b = Arena.reopen(str(tmp_path), a.arena_id, 16 << 20)
+    for c in adoption.captures(logs, b, now=1.0):
+        toks = [ev for ev in c.history if type(ev).__name__ == "Tokens"]
+        assert [t.tensors["logits"][0, 0] for t in toks] == [c.seq * 10 + p for p in range(3)]
+        assert type(c.history[-1]).__name__ == "End"
+    b.end_adoption()
+    j2 = jmod.Journal.start(b, [], 99, names)  # the next run's journal replaces the segments it replayed
+    j2.close(keep=False)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(jf.JOURNAL_PREFIX)]
