@@ -216,7 +216,6 @@ def _capture(seq: int, cl: CaptureLog, arena: Arena, now: float) -> Adopted:
                   b.start_position, b.lazy, False, now, b.source)
     history: list[Event] = [begin]
     at: int | None = None
-    lost: list[tuple[int, int]] = []  # data whose reference failed: now gaps
     for item in cl.items:
         if type(item) is jf.Hole:
             lo, hi = item.start, item.stop
@@ -225,8 +224,7 @@ def _capture(seq: int, cl: CaptureLog, arena: Arena, now: float) -> Adopted:
             lo = item.start
             hi = lo + len(item.token_ids) // 4
             tok = _tokens(b, item, arena, now)
-            if tok is None:
-                lost.append((lo, hi))
+            if tok is None:  # its reference failed: a Gap, which the End counts as missing
                 ev = Gap(b.instance, b.request_id, range(lo, hi), NOT_CAPTURED_PREVIOUS, now)
             else:
                 ev = tok
@@ -236,7 +234,7 @@ def _capture(seq: int, cl: CaptureLog, arena: Arena, now: float) -> Adopted:
         history.append(ev)
     ended_wall = None
     if cl.ended is not None:
-        history.append(_end(b, cl.ended, lost, now))
+        history.append(_end(b, cl.ended, history, now))
         ended_wall = cl.ended.wall
     return Adopted(seq, history, ended_wall)
 
@@ -275,11 +273,16 @@ def _tokens(b: jf.Began, d: jf.Data, arena: Arena, now: float) -> Tokens | None:
                       nbytes)
 
 
-def _end(b: jf.Began, e: jf.Ended, lost: list[tuple[int, int]], now: float) -> End:
+def _end(b: jf.Began, e: jf.Ended, history: list[Event], now: float) -> End:
+    """The End as filed, made to agree with the history adopted: every Gap in it is missing (data the
+    journal could not name, a reference that failed), and what was delivered is its data."""
     if any(not 0 <= lo < hi <= MAX_POSITION for lo, hi in e.missing) or len(e.output_token_ids) > MAX_POSITION:
         raise Unfit("its End's missing positions are out of bounds")
-    missing = PositionRanges([tuple(r) for r in e.missing]).union(lost)
-    delivered = max(0, e.delivered - sum(hi - lo for lo, hi in lost))
+    gaps = [(ev.positions.start, ev.positions.stop) for ev in history if type(ev) is Gap]
+    missing = PositionRanges([tuple(r) for r in e.missing]).union(gaps)
+    if e.expected is not None:
+        missing = missing.clip(*e.expected)
+    delivered = sum(len(ev.positions) for ev in history if type(ev) is Tokens)
     return End(b.instance, b.request_id, e.reason, e.num_prompt_tokens, e.num_output_tokens, list(e.output_token_ids),
                e.end_position, tuple(e.expected) if e.expected is not None else None, missing, delivered, now,
                e.source)

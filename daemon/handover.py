@@ -67,13 +67,20 @@ class Array(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
         a = np.ascontiguousarray(a)
         return cls(a.dtype.str, list(a.shape), a.tobytes())
 
-    def array(self) -> np.ndarray:
+    def array(self, alloc: Any = None) -> np.ndarray:
+        """The array, in a region `alloc` (the arena's, for a tensor: so the next restart's journal
+        can name it) gives, else on the heap."""
         if self.dtype not in _DTYPES or not 1 <= len(self.shape) <= 2 or min(self.shape) < 0:
             raise ValueError(f"array of dtype {self.dtype!r} and shape {self.shape}")
         dt = np.dtype(self.dtype)
         if int(np.prod(self.shape)) * dt.itemsize != len(self.data):
             raise ValueError(f"array of shape {self.shape} and dtype {self.dtype} in {len(self.data)} bytes")
-        return np.frombuffer(self.data, dt).reshape(self.shape).copy()
+        src = np.frombuffer(self.data, dt).reshape(self.shape)
+        out = alloc(tuple(self.shape), dt) if alloc is not None and len(self.shape) == 2 else None
+        if out is None:
+            return src.copy()
+        out[...] = src
+        return out
 
 
 class Slice(msgspec.Struct, forbid_unknown_fields=True):
@@ -254,20 +261,20 @@ def export(a: Assembly, history: list[Event] = ()) -> InFlight:  # type: ignore[
         sorted(a.sources), a.cut, a.hold, spans, slices, a.shed, _delivered(list(history), a.frontier))
 
 
-def _span(held: HeldSpan, instance: str, c: InFlight, now: float) -> Span:
+def _span(held: HeldSpan, instance: str, c: InFlight, now: float, alloc: Any = None) -> Span:
     if held.positions is None:
         return Span(held.start, held.stop, None, held.reason)
     pos, ids = held.positions.array(), held.token_ids.array() if held.token_ids is not None else None
     if len(pos) != held.stop - held.start or (ids is not None and len(ids) != len(pos)):
         raise ValueError(f"a span [{held.start}, {held.stop}) of {len(pos)} positions")
-    tensors = {name: x.array() for name, x in held.tensors.items()}
+    tensors = {name: x.array(alloc) for name, x in held.tensors.items()}
     if any(len(x) != len(pos) for x in tensors.values()):
         raise ValueError(f"a span [{held.start}, {held.stop}) with tensors of other lengths")
     return Span(held.start, held.stop, Tokens(instance, c.request_id, pos, ids, c.num_prompt_tokens, tensors,
                                               dict(held.dtypes), now))
 
 
-def _previous(c: InFlight, start: int, instance: str, now: float) -> list[Span]:
+def _previous(c: InFlight, start: int, instance: str, now: float, alloc: Any = None) -> list[Span]:
     """[start, frontier): what the previous daemon delivered, in order; where it no longer held it, a
     Gap NOT_CAPTURED_PREVIOUS."""
     out: list[Span] = []
@@ -277,7 +284,7 @@ def _previous(c: InFlight, start: int, instance: str, now: float) -> list[Span]:
             raise ValueError(f"delivered span [{held.start}, {held.stop}) outside [{at}, {c.frontier})")
         if held.start > at:
             out.append(Span(at, held.start, None, NOT_CAPTURED_PREVIOUS))
-        out.append(_span(held, instance, c, now))
+        out.append(_span(held, instance, c, now, alloc))
         at = held.stop
     if c.frontier is not None and at < c.frontier:
         out.append(Span(at, c.frontier, None, NOT_CAPTURED_PREVIOUS))
@@ -290,16 +297,16 @@ def _control(meta: dict[str, Any], kind: type[ControlMeta]) -> ControlMeta:
     return msgspec.msgpack.decode(msgspec.msgpack.encode(meta), type=kind)
 
 
-def resume(c: InFlight, instance: str, tally: Tally, now: float
+def resume(c: InFlight, instance: str, tally: Tally, now: float, alloc: Any = None
            ) -> tuple[Assembly, ControlRecord | None, list[ring_records.Slice]]:
     """The Assembly a handed-over capture continues as (the positions the previous daemon delivered
     first, as it delivered them, then what it held), its END record (None if it had none), and its
     pending slices to feed again. Raises ring_schema.Rejected, ValueError, KeyError
-    or TypeError for a capture that cannot be continued."""
+    or TypeError for a capture that cannot be continued. `alloc`: where its tensors go (the arena)."""
     begin = control_record(_control(c.begin, BeginMeta), c.request_id, tap_key=c.tap_key) \
         if c.begin is not None else None
     end = control_record(_control(c.end, EndMeta), c.request_id, tap_key=c.tap_key) if c.end is not None else None
-    spans = [_span(held, instance, c, now) for held in c.spans]
+    spans = [_span(held, instance, c, now, alloc) for held in c.spans]
     slices = [ring_records.Slice(
         request_id=c.request_id, tap_key=c.tap_key, step=sl.step, rank=sl.rank,
         expected_ranks=sl.expected_ranks, rank_parts=sl.rank_parts, tensor=TensorId.of(rf.TensorKind(sl.kind), sl.layer),
@@ -319,7 +326,7 @@ def resume(c: InFlight, instance: str, tally: Tally, now: float
     if start is not None:
         a.start = a.frontier = a.first_frontier = start
         if c.frontier is not None and c.frontier > start:  # delivered by the previous daemon
-            for span in _previous(c, start, instance, now):
+            for span in _previous(c, start, instance, now, alloc):
                 push(a, span)
     if end is not None:
         a.stop = c.stop

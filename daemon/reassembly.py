@@ -350,7 +350,7 @@ class Reassembler:
             if c.request_id in self._requests:
                 continue
             try:
-                a, end, slices = ho.resume(c, self.instance, self.tally, now)
+                a, end, slices = ho.resume(c, self.instance, self.tally, now, self.alloc)
             except (ring_schema.Rejected, ValueError, KeyError, TypeError) as e:
                 log.error("request %s: handed-over state unusable (%s); it continues as a capture never seen",
                           c.request_id, e)

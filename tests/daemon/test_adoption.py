@@ -416,3 +416,34 @@ def test_the_journal_stays_bounded_and_replays_what_is_held_across_segments(tmp_
     j2 = jmod.Journal.start(b, [], 99, names)  # the next run's journal replaces the segments it replayed
     j2.close(keep=False)
     assert not [n for n in os.listdir(tmp_path) if n.startswith(jf.JOURNAL_PREFIX)]
+
+
+def test_a_capture_handed_over_by_one_stop_is_whole_after_the_next(daemon_factory, shm_dir):
+    """In flight at a SIGTERM (handed over, continued by the next daemon), finished, then another
+    SIGTERM: the third daemon adopts it whole. (Before: what the handover carried lay outside the
+    arena, the journal could not name it, and the third daemon had it as a Gap its End did not list.)"""
+    d = daemon_factory(end_grace_s=1.0)
+    # rows of 32 KiB: what the handover carries is more than the journal writes inline
+    sc = Scenario(n_requests=1, tp=1, prompt_len=6, gen_len=30, chunk=4, vocab=8192, ring_bytes=16 << 20)
+    eng = SyntheticEngine(sc, shm_dir)
+    try:
+        eng.begin([0])
+        for _ in range(8):
+            eng.run_step()
+        assert eng.flush()
+        _settled(d)
+        assert d.stop(timeout=60) == 0
+        d.start()
+        while eng.run_step():
+            pass
+        assert eng.flush()
+        first = d.client().fetch(sc.request_id(0), timeout=30)
+        assert_capture(sc, 0, capture_arrays(first))
+        assert d.stop(timeout=60) == 0
+        d.start()
+        assert d.status()["arena"]["adopted"]["captures"] == 1
+        again = d.client().fetch(sc.request_id(0), timeout=30)
+        assert list(again.missing_positions) == [] and again.complete
+        assert_capture(sc, 0, capture_arrays(again))
+    finally:
+        eng.close()

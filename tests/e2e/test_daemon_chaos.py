@@ -25,6 +25,7 @@ import os
 import random
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -37,7 +38,7 @@ import pytest
 from reference import logprob_mismatches
 from server_stack import ServerStack
 from vllm_tap import wire_format as wf
-from vllm_tap.client import CaptureNotFound, Client, DaemonUnavailable, Gap, LostCaptures, WatchedCapture
+from vllm_tap.client import CaptureNotFound, Client, Gap, LostCaptures, WatchedCapture
 from vllm_tap.tools.tiny_model import TinyLlamaSpec, prompt_text
 
 pytestmark = pytest.mark.vllm
@@ -110,6 +111,46 @@ class Plan:
     seed: int
     requests: list[Request]
     events: list[Event]
+
+
+PROBE_SCRIPT = """
+import sys, threading, time
+from vllm_tap.client import Client, DaemonUnavailable
+endpoint, out, period, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+done = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+with Client(endpoint) as c, open(out, "w") as f:
+    while not done.is_set():
+        t = time.monotonic()
+        try:
+            c.status(timeout=timeout)
+            ok = 1
+        except DaemonUnavailable:
+            ok = 0
+        dt = time.monotonic() - t
+        f.write(f"{t} {dt} {ok}\\n")
+        time.sleep(max(0.0, period - dt))
+"""
+
+
+def _probe_latencies(path, t_zero: float, windows: list[tuple[float, float]]
+                     ) -> tuple[list[float], list[tuple[float, float]], list[float]]:
+    """The probe's answers (seconds), those over 100 ms (when, seconds into the load; seconds) and
+    when a status went unanswered, leaving out every question that spans a chaos event (from the
+    signal to the daemon answering again)."""
+    latencies, slow, unanswered = [], [], []
+    for line in path.read_text().splitlines():
+        t, dt, ok = line.split()
+        t0, dt = float(t) - t_zero, float(dt)
+        if any(t0 < w1 and w0 < t0 + dt for w0, w1 in windows):
+            continue
+        if ok == "1":
+            latencies.append(dt)
+            if dt > 0.1:
+                slow.append((t0, dt))
+        else:
+            unanswered.append(t0)
+    return latencies, slow, unanswered
 
 
 def make_plan(seed: int) -> Plan:
@@ -291,40 +332,17 @@ def test_a_daemon_killed_stopped_and_restarted_at_random_under_captured_load_los
                 progress["events_begun"] = len(plan.events)
                 cond.notify_all()
 
-    # The probe: status every 50 ms while the daemon runs (down or stopped: skipped).
-    latencies: list[float] = []
-    slow: list[tuple[float, float]] = []  # (seconds into the load, seconds) of answers over 100 ms
-    unanswered: list[float] = []  # when (seconds into the load) a running daemon left status unanswered
+    # The probe: status every 50 ms, from a process of its own (in this one, the clients' and the
+    # watcher's threads would hold the GIL while its answer waits); answers that span a moment the
+    # daemon was down or stopped are left out afterwards (_probe_latencies).
+    probe_out = tmp_path / "probe.txt"
+    probe_proc = subprocess.Popen([sys.executable, "-c", PROBE_SCRIPT, endpoint, str(probe_out), str(PROBE_PERIOD_S),
+                                   str(PROBE_TIMEOUT_S)], stdin=subprocess.PIPE)
     probing = threading.Event()
 
-    def probe() -> None:
-        with Client(endpoint) as c:
-            while not probing.is_set():
-                phase, epoch = daemon.get()
-                if phase != "up":
-                    time.sleep(PROBE_PERIOD_S)
-                    continue
-                t = time.perf_counter()
-                try:
-                    c.status(timeout=PROBE_TIMEOUT_S)
-                    ok = True
-                except DaemonUnavailable:
-                    ok = False
-                dt = time.perf_counter() - t
-                if daemon.get() == (phase, epoch):
-                    if ok:
-                        latencies.append(dt)
-                        if dt > 0.1:
-                            slow.append((now() - dt, dt))
-                    else:
-                        unanswered.append(now())
-                time.sleep(max(0.0, PROBE_PERIOD_S - dt))
-
-    request.addfinalizer(lambda: (probing.set(), watch.close(), watch_client.close()))  # also after a failure
+    request.addfinalizer(lambda: (probing.set(), watch.close(), watch_client.close(), probe_proc.kill()))
     watch_thread = threading.Thread(target=watcher, daemon=True)
     watch_thread.start()
-    probe_thread = threading.Thread(target=probe, daemon=True)
-    probe_thread.start()
     chaos_thread = threading.Thread(target=chaos, daemon=True)
     chaos_thread.start()
     clients = [threading.Thread(target=client, daemon=True) for _ in range(CLIENTS)]
@@ -334,7 +352,8 @@ def test_a_daemon_killed_stopped_and_restarted_at_random_under_captured_load_los
         t.join(300)
     chaos_thread.join(300)
     probing.set()
-    probe_thread.join(10)
+    probe_proc.stdin.close()  # the probe stops at the end of its input
+    assert probe_proc.wait(30) == 0, (tag, "the status probe failed")
     t_load = now()
     assert not chaos_thread.is_alive() and not any(t.is_alive() for t in clients), (tag, progress)
     assert not chaos_errors, (tag, "the chaos thread failed", chaos_errors)
@@ -342,6 +361,7 @@ def test_a_daemon_killed_stopped_and_restarted_at_random_under_captured_load_los
     assert progress["events_done"] == len(plan.events), (tag, progress)
     events = [(e.kind, f"{e.answered} answered, {e.running} running", round(e.t0, 2), round(e.t1, 2))
               for e in plan.events]
+    latencies, slow, unanswered = _probe_latencies(probe_out, t_zero, [(e.t0, e.t1) for e in plan.events])
 
     # Settle: the daemon has read everything and ended every capture; one more capture, fetched whole.
     deadline = time.monotonic() + 120
