@@ -194,7 +194,7 @@ def captures(logs: dict[int, CaptureLog], arena: Arena, now: float) -> list[Adop
     for seq in sorted(logs):
         try:
             out.append(_capture(seq, logs[seq], arena, now))
-        except Unfit as e:
+        except (Unfit, ValueError, TypeError, KeyError, OverflowError) as e:
             refused += 1
             if refused <= 3:
                 log.warning("capture seq %d of the earlier run's journal is not adopted: %s", seq, e)
@@ -207,6 +207,8 @@ def _capture(seq: int, cl: CaptureLog, arena: Arena, now: float) -> Adopted:
     b = cl.began
     if seq < 1 or not b.request_id or len(b.request_id) > jf.MAX_NAME_CHARS or len(b.instance) > jf.MAX_NAME_CHARS:
         raise Unfit("its names are out of bounds")
+    if b.n < 1 or b.num_prompt_tokens < 0 or (b.start_position is not None and not 0 <= b.start_position < MAX_POSITION):
+        raise Unfit("its begin is out of bounds")
     if b.spec is not None:
         try:
             CaptureSpec.from_meta(b.spec)

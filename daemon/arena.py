@@ -166,6 +166,7 @@ class Arena:
         self._warned = False
         self.remove_dir = False  # close() removes the directory too (the daemon made it for this run)
         self._adopting: dict[int, Any] | None = None  # regions adopted from an earlier run, until end_adoption()
+        self._claimed: np.ndarray | None = None
         self._kept = False  # closed for the next daemon to adopt: nothing is freed into it any more
 
     # -- life --
@@ -241,6 +242,7 @@ class Arena:
             a._free_at[k].clear()
             a._heap_at[k].clear()
         a._adopting = {}
+        a._claimed = np.zeros(a.n_blocks, np.bool_)  # the blocks adopted regions hold
         a._mark_committed(0, data_off)
         return a
 
@@ -258,7 +260,7 @@ class Arena:
             return None
         if int(self._gens[block]) != gen:
             return None
-        claimed = self._dirty  # free of meaning until end_adoption(): marks the blocks adopted regions hold
+        claimed = self._claimed
         if claimed[block:block + blocks].any():
             return None  # overlaps another adopted region
         claimed[block:block + blocks] = True
@@ -277,7 +279,7 @@ class Arena:
         """Everything no adopted region holds is free (its values zeroed by `sweep`, its generation
         moved on so no earlier descriptor of it still matches). Returns the regions adopted."""
         adopting, self._adopting = self._adopting or {}, None
-        self._dirty[:] = False
+        self._claimed = None
         held = sorted((r._off, r._off + r._blocks) for r in adopting.values())
         at = 0
         # The rest goes back to tmpfs (a hole reads as zeros and holds no memory): zeroing it would

@@ -106,7 +106,6 @@ class Journal:
         self._segment_bytes = 0
         self._sizes: dict[int, int] = {}  # segment -> bytes, every segment file of ours
         self._buf: list[bytes] = []
-        self._buffered = 0
         # Captures held: their Entry, the first segment with an entry of theirs, the bytes they take
         self._entries: dict[int, Entry] = {}
         self._first: dict[int, int] = {}
@@ -180,7 +179,6 @@ class Journal:
                 self._roll(checkpoint=False)
             data = b"".join(self._buf)
             self._buf.clear()
-            self._buffered = 0
             view = memoryview(data)
             while view:
                 view = view[os.write(self._fd, view):]
@@ -216,7 +214,7 @@ class Journal:
 
     def snapshot(self) -> dict[str, Any]:
         return {"segments": len(self._sizes), "bytes": sum(self._sizes.values()), "live_bytes": self.live_bytes,
-                "captures": len(self._entries), "written_bytes": self.written_bytes,
+                "captures": len(self._entries), "frames": self.frames, "written_bytes": self.written_bytes,
                 "relocated_bytes": self.relocated_bytes, "failed": self.failed or None}
 
     # -- inside --
@@ -229,7 +227,6 @@ class Journal:
 
     def _append(self, seq: int, f: bytes) -> None:
         self._buf.append(f)
-        self._buffered += len(f)
         self.frames += 1
         if seq in self._bytes:
             self._bytes[seq] += len(f)

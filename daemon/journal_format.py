@@ -71,10 +71,6 @@ def parse_name(name: str) -> tuple[int, int] | None:
         return None
 
 
-Name = msgspec.Meta(max_length=MAX_NAME_CHARS)
-Dim = msgspec.Meta(ge=0, lt=MAX_DIM)
-
-
 class Ref(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     """One tensor of a Data entry: rows x cols items of `dtype` (a ring_format DType code), at data-area
     byte `offset` inside the region of `blocks` blocks from `block`, whose generation was `gen`; or,

@@ -451,8 +451,12 @@ class Daemon:
         if previous is not None:
             t0 = time.monotonic()
             handed = {(inst, c.request_id) for inst, cs in taken.items() for c in cs}
-            logs = adoption.replay(previous.arena_id, previous.blobs)
-            found = adoption.captures(logs, arena, now)
+            try:
+                logs = adoption.replay(previous.arena_id, previous.blobs)
+                found = adoption.captures(logs, arena, now)
+            except Exception:  # a journal must never keep the daemon from starting
+                log.exception("the earlier daemon run's journal could not be replayed: nothing of it is adopted")
+                logs, found = {}, []
             self.adopted["refused"] = len(logs) - len(found)
             wall = time.time()
             for c in found:

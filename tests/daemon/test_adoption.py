@@ -447,3 +447,13 @@ def test_a_capture_handed_over_by_one_stop_is_whole_after_the_next(daemon_factor
         assert_capture(sc, 0, capture_arrays(again))
     finally:
         eng.close()
+
+
+def test_a_begin_out_of_bounds_refuses_its_capture_and_nothing_else(tmp_path):
+    def build(a):
+        bad = jf.Began(1, "default", "r", "", -5, None, 0, "m", None, -3, False, "client", 0.0)
+        return _journal(a, bad, _data(a, 1, 0, 2), _ended(1), _began(2, "fine"), _data(a, 2, 0, 2),
+                        _ended(2, delivered=2))
+
+    out, _ = _adopt(tmp_path, build)
+    assert [c.seq for c in out] == [2]
