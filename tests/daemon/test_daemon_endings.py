@@ -60,6 +60,18 @@ def _not_adoptable(d) -> None:
     d.settings["arena_bytes"] = 64 << 20
 
 
+def _kill_after_the_first_positions(d, eng: SyntheticEngine, sc: Scenario, adopted: bool) -> None:
+    """The engine writes positions 0..10, the daemon reads them and is SIGKILLed; unless `adopted`,
+    its next start cannot adopt the arena."""
+    eng.begin()
+    for _ in range(5):
+        eng.run_step()  # positions 0..10
+    _wait(lambda: _read_everything(d, sc), what="the first daemon to read 0..10")
+    d.kill()
+    if not adopted:
+        _not_adoptable(d)
+
+
 @pytest.mark.parametrize("adopted", [True, False])
 @pytest.mark.parametrize("end_before_restart", [False, True])
 def test_a_new_subscriber_after_a_daemon_restart_gets_every_position_once_as_data_or_gap(
@@ -71,13 +83,7 @@ def test_a_new_subscriber_after_a_daemon_restart_gets_every_position_once_as_dat
     sc = Scenario(tp=2, n_requests=1, prompt_len=8, gen_len=12, chunk=4)
     d = daemon_factory(end_grace_s=1.0)
     eng = SyntheticEngine(sc, shm_dir)
-    eng.begin()
-    for _ in range(5):
-        eng.run_step()  # positions 0..10
-    _wait(lambda: _read_everything(d, sc), what="the first daemon to read 0..10")
-    d.kill()
-    if not adopted:
-        _not_adoptable(d)
+    _kill_after_the_first_positions(d, eng, sc, adopted)
     if end_before_restart:
         while eng.run_step():  # 11..18 and the END, written while no daemon runs
             pass
@@ -354,13 +360,7 @@ def test_a_capture_whose_head_and_end_went_with_a_killed_daemon_lists_the_head_a
     d = daemon_factory(end_grace_s=0.5)
     eng = SyntheticEngine(sc, shm_dir)
     eng.end = lambda i: None
-    eng.begin()
-    for _ in range(5):
-        eng.run_step()  # positions 0..10
-    _wait(lambda: _read_everything(d, sc), what="the first daemon to read 0..10")
-    d.kill()
-    if not adopted:
-        _not_adoptable(d)
+    _kill_after_the_first_positions(d, eng, sc, adopted)
     while eng.run_step():  # 11..18, written while no daemon runs
         pass
     eng.live([])
