@@ -12,7 +12,7 @@ files them. A capture whose log breaks these rules is not adopted, in one log li
 number is then reported to watchers as lost, as after any restart. Data whose reference fails is a
 Gap `not captured: consumed by a previous daemon`, and its End says it is missing.
 
-`replay` (bytes in, capture logs out) and `captures` (logs and an arena in, events out) are pure of
+`replay` (bytes in, capture logs and ring cursors out) and `captures` (logs and an arena in, events out) are pure of
 IO but the arena's memory; `find` reads the files.
 """
 
@@ -47,6 +47,16 @@ class CaptureLog:
     began: jf.Began
     items: list = field(default_factory=list)  # jf.Data | jf.Hole, in the order filed
     ended: jf.Ended | None = None
+    end_read: jf.Ending | None = None  # its END, read while positions were still to come
+
+
+@dataclass
+class Replayed:
+    """What a journal says: the captures the arena holds, by seq (those it let go of are not among
+    them), and how far each ring was read ((instance, ring) -> (epoch, cursor))."""
+
+    logs: dict[int, CaptureLog] = field(default_factory=dict)
+    reads: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -63,6 +73,7 @@ class Adopted:
     seq: int
     history: list[Event]  # Begin, Tokens and Gap in position order, End if it ended
     ended_wall: float | None  # time.time() of its End
+    end_read: jf.Ending | None = None  # in flight: its END, read and not yet acted on
 
 
 def find(directory: str) -> tuple[Previous | None, list[str]]:
@@ -139,9 +150,10 @@ def _read(dir_fd: int, directory: str, name: str) -> bytes | None:
         os.close(fd)
 
 
-def replay(arena_id: int, blobs: list[bytes]) -> dict[int, CaptureLog]:
-    """The captures a journal says the arena holds, by seq (those it let go of are not among them)."""
-    logs: dict[int, CaptureLog] = {}
+def replay(arena_id: int, blobs: list[bytes]) -> Replayed:
+    """What the journal of `arena_id` says, from its segments' bytes in order."""
+    out = Replayed()
+    logs, reads = out.logs, out.reads
     for i, blob in enumerate(blobs):
         try:
             for k, entry in enumerate(jf.frames(blob)):
@@ -167,6 +179,12 @@ def replay(arena_id: int, blobs: list[bytes]) -> dict[int, CaptureLog]:
                     have = logs.get(entry.seq)  # type: ignore[union-attr]
                     if have is not None and have.ended is None:
                         have.ended = entry  # type: ignore[assignment]
+                elif t is jf.Ending:
+                    have = logs.get(entry.seq)  # type: ignore[union-attr]
+                    if have is not None and have.ended is None:
+                        have.end_read = entry  # type: ignore[assignment]
+                elif t is jf.Read:
+                    reads[(entry.instance, entry.ring)] = (entry.epoch, entry.cursor)  # type: ignore[union-attr]
                 elif t is jf.Shed:
                     have = logs.get(entry.seq)  # type: ignore[union-attr]
                     if have is not None:
@@ -179,7 +197,7 @@ def replay(arena_id: int, blobs: list[bytes]) -> dict[int, CaptureLog]:
         except jf.Torn as e:
             log.warning("arena journal, segment %d of %d: %s; replayed up to there", i + 1, len(blobs), e)
             break
-    return logs
+    return out
 
 
 class Unfit(ValueError):
@@ -235,10 +253,21 @@ def _capture(seq: int, cl: CaptureLog, arena: Arena, now: float) -> Adopted:
         at = hi
         history.append(ev)
     ended_wall = None
+    end_read = None
     if cl.ended is not None:
         history.append(_end(b, cl.ended, history, now))
         ended_wall = cl.ended.wall
-    return Adopted(seq, history, ended_wall)
+    elif cl.end_read is not None:
+        e = end_read = cl.end_read
+        if (not 0 <= e.end_position < MAX_POSITION or len(e.output_token_ids) > MAX_POSITION
+                or len(e.reason) > jf.MAX_NAME_CHARS or len(e.source or "") > jf.MAX_NAME_CHARS):
+            raise Unfit("its END is out of bounds")
+        if e.spec is not None:
+            try:
+                CaptureSpec.from_meta(e.spec)
+            except _SPEC_ERRORS as err:
+                raise Unfit(f"its END's spec does not decode ({err})") from None
+    return Adopted(seq, history, ended_wall, end_read)
 
 
 def _tokens(b: jf.Began, d: jf.Data, arena: Arena, now: float) -> Tokens | None:

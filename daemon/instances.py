@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable
 
-from vllm_tap.ring_records import DataRecord, Record
+from vllm_tap import ring_format as rf
+from vllm_tap.ring_records import ControlRecord, DataRecord, Record
 
 from . import handover
 from .events import OVER_BUDGET, WRITER_GONE, Event
@@ -36,6 +37,8 @@ class Instances:
         self._alloc: Any = None
         self.captures_cut = 0
         self.reassembly_errors = 0
+        # Told of every END read, after its events (the journal keeps those of captures still in flight).
+        self.on_end_read: Callable[[str, ControlRecord], None] | None = None
 
     def use_arena(self, arena: Any) -> None:
         """Arrays reassembly makes (a concatenation of slices) go into the delivery arena."""
@@ -65,6 +68,8 @@ class Instances:
                               path)
             return
         self._deliver(events, now)
+        if record.kind == rf.RecordKind.END and self.on_end_read is not None:
+            self.on_end_read(instance, record)  # type: ignore[arg-type]
 
     def rejected(self, instance: str, request_ids: tuple[str, ...], why: str, now: float) -> None:
         self._deliver(self.reassembler(instance).reject(request_ids, why, now), now)
@@ -137,9 +142,10 @@ class Instances:
         budget[0] -= entry.nbytes
         return entry.history
 
-    def continue_filed(self, entry: Any, now: float) -> None:
-        """A capture in flight adopted from an earlier run's arena (its store entry): reassembly goes on with it."""
-        self.reassembler(entry.instance).continue_filed(entry.begin, entry.history, now)
+    def continue_filed(self, entry: Any, now: float, end: ControlRecord | None = None) -> None:
+        """A capture in flight adopted from an earlier run's arena (its store entry; `end`: the END
+        that run had read for it): reassembly goes on with it."""
+        self._deliver(self.reassembler(entry.instance).continue_filed(entry.begin, entry.history, now, end), now)
 
     def take_handover(self, state_dir: str, now: float,
                       taken: "dict[str, list[handover.InFlight]] | None" = None) -> None:

@@ -3,11 +3,14 @@ daemon can adopt the arena with every capture in it (layout: daemon/journal_form
 back: daemon/adoption.py).
 
 Rules:
-- The daemon files events (`filed`), lets captures go (`dropped`) and sheds their data (`shed`);
+- The daemon files events (`filed`), lets captures go (`dropped`), sheds their data (`shed`), reads
+  the END of a capture still in flight (`end_read`) and says how far it read each ring (`read`);
   each becomes a frame in memory, written to the current segment by `flush`, which the daemon calls
-  every tick (TICK_INTERVAL_S) and at stop. A daemon killed outright loses at most the frames of its
-  last tick: those positions of captures in flight become a Gap `not captured: consumed by a
-  previous daemon` after the restart (their ring records were read), counted as ever.
+  every turn of its loop before it sends anything and before it moves the rings' read cursors
+  (RingPoller.commit), and at stop. A daemon killed before a flush loses nothing: the rings still
+  hold what it read since the last one, and the next daemon reads on from the journal's cursors.
+  What it held unfiled at a flush (a position held back for a later one, a step waiting for its
+  other records) becomes a Gap `not captured: consumed by a previous daemon`, counted as ever.
 - Writes go to the arena's directory (tmpfs, like the arena): a write is a copy into the page cache,
   never a disk's fsync. The arena and its journal live and go together (a reboot empties both).
 - Bounded: a segment is closed at SEGMENT_BYTES and a new one begun. A closed segment is removed
@@ -34,6 +37,8 @@ import numpy as np
 
 from . import journal_format as jf
 from .arena import Arena, create_private_file
+from vllm_tap.ring_records import ControlRecord
+
 from .events import NOT_CAPTURED_PREVIOUS, Begin, End, Event, Gap, Tokens
 from .store import Entry
 
@@ -75,11 +80,20 @@ def data(ev: Tokens, seq: int, arena: Arena) -> jf.Data | jf.Hole:
     return jf.Data(seq, ev.start, np.ascontiguousarray(ev.token_ids, "<i4").tobytes(), ev.num_prompt_tokens, refs)
 
 
-def entry_frames(e: Entry, arena: Arena) -> list[bytes]:
-    """A capture's whole history as frames (a Began with reset first): a checkpoint's or a relocation's."""
+def ending(seq: int, r: ControlRecord) -> jf.Ending:
+    m = r.control
+    return jf.Ending(seq, m.reason, m.num_prompt_tokens, m.num_output_tokens, list(m.output_token_ids), m.end_position,
+                     r.spec.to_meta() if r.spec is not None else None, m.source)
+
+
+def entry_frames(e: Entry, arena: Arena, end_read: jf.Ending | None = None) -> list[bytes]:
+    """A capture's whole history as frames (a Began with reset first, the END read for it last):
+    a checkpoint's or a relocation's."""
     out = [jf.frame(begun(e.begin, e.seq, reset=True))]
     for ev in e.history[1:]:
         out.append(jf.frame(_entry_of(ev, e.seq, arena)))
+    if end_read is not None and e.end is None:
+        out.append(jf.frame(end_read))
     return out
 
 
@@ -110,6 +124,7 @@ class Journal:
         self._entries: dict[int, Entry] = {}
         self._first: dict[int, int] = {}
         self._bytes: dict[int, int] = {}
+        self._endings: dict[int, jf.Ending] = {}  # captures in flight whose END was read
         self.live_bytes = 0
         self.failed = ""
         self.frames = 0
@@ -117,10 +132,12 @@ class Journal:
         self.relocated_bytes = 0
 
     @classmethod
-    def start(cls, arena: Arena, held: list[Entry], first_segment: int, stale: list[str]) -> "Journal":
+    def start(cls, arena: Arena, held: list[Entry], first_segment: int, stale: list[str],
+              endings: dict[int, jf.Ending] | None = None) -> "Journal":
         """A journal for this run, beginning with a checkpoint of the captures `held` (those adopted
-        from an earlier run); then the earlier run's segments (`stale`, names in the arena's
-        directory) are removed: the checkpoint restates all of theirs that still counts."""
+        from an earlier run, with the ENDs read for those in flight: `endings`); then the earlier
+        run's segments (`stale`, names in the arena's directory) are removed: the checkpoint restates
+        all of theirs that still counts."""
         directory = os.path.dirname(arena.path)
         dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         j = cls(arena, dir_fd, directory, first_segment)
@@ -128,7 +145,10 @@ class Journal:
             j._roll(checkpoint=True)
             for e in held:
                 j._track(e, j._segment)
-                for f in entry_frames(e, arena):
+                end_read = (endings or {}).get(e.seq)
+                if end_read is not None and e.end is None:
+                    j._endings[e.seq] = end_read
+                for f in entry_frames(e, arena, end_read):
                     j._append(e.seq, f)
             j.flush()
         except OSError as e:
@@ -152,13 +172,33 @@ class Journal:
                 self._track(entry, self._segment)
             self._append(seq, jf.frame(begun(ev, seq)))  # type: ignore[arg-type]
         elif seq in self._entries:
+            if t is End:
+                self._endings.pop(seq, None)
             self._append(seq, jf.frame(_entry_of(ev, seq, self.arena)))
+
+    def end_read(self, entry: Entry, r: ControlRecord) -> None:
+        """The END of a capture still in flight was read: with it, the next daemon can end the
+        capture as the engine did, should this one die before it files the End."""
+        seq = entry.seq
+        if self.failed or seq not in self._entries or entry.end is not None or seq in self._endings:
+            return
+        e = self._endings[seq] = ending(seq, r)
+        self._append(seq, jf.frame(e))
+
+    def read(self, cursors: list[tuple[str, str, int, int]]) -> None:
+        """How far rings were read ((instance, ring, epoch, cursor) each): written with the frames
+        of what was read there, before the rings' own cursors move (RingPoller.commit)."""
+        if self.failed:
+            return
+        for instance, ring, epoch, cursor in cursors:
+            self._append(0, jf.frame(jf.Read(instance, ring, epoch, cursor)))
 
     def dropped(self, entry: Entry, why: str) -> None:
         seq = entry.seq
         if self.failed or seq not in self._entries:
             return
         self._append(seq, jf.frame(jf.Forgot(seq)))
+        self._endings.pop(seq, None)
         del self._entries[seq]
         del self._first[seq]
         self.live_bytes -= self._bytes.pop(seq)
@@ -262,7 +302,7 @@ class Journal:
             self.live_bytes -= self._bytes[seq]
             self._bytes[seq] = 0
             self._first[seq] = self._segment
-            for f in entry_frames(e, self.arena):
+            for f in entry_frames(e, self.arena, self._endings.get(seq)):
                 self._append(seq, f)
                 budget -= len(f)
                 self.relocated_bytes += len(f)
@@ -292,4 +332,5 @@ class Journal:
         self._entries.clear()
         self._first.clear()
         self._bytes.clear()
+        self._endings.clear()
 

@@ -13,7 +13,8 @@ beside the arena in the arena's directory, in segment files only the daemon's us
              | frame: SegmentHead (the arena it indexes, this segment's  |
              |        number, whether it is a checkpoint)                |
              +-----------------------------------------------------------+
-             | frame: Began | Data | Hole | Ended | Shed | Forgot ...    |
+             | frame: Began | Data | Hole | Ending | Ended | Shed |     |
+             |        Forgot | Read ...                                 |
              +-----------------------------------------------------------+
 
     frame    +------------+------------+------------------------------+
@@ -26,6 +27,13 @@ says "forget everything before me" (it restates every capture still held). A fra
 daemon died while writing it), fails its crc, or does not decode against the schema below ends the
 replay of its segment: everything before it stands. References are checked against the arena
 (bounds, the region's generation) before anything is adopted (daemon/adoption.py).
+
+The daemon moves a ring's read cursor (the writer reuses what lies below it) only after the frames of
+what it read there are written, and writes that cursor first (Read): a killed daemon's successor
+reads again from the cursor in the ring file, or from the journal's where that is further on (the
+frames were written, the cursor not yet), so a record is neither lost nor filed twice. An END read
+for a capture still waiting for its data is written as it is read (Ending): its successor ends the
+capture with it instead of as `end lost`.
 
 A capture is named by its sequence number (daemon/sequence.py: unique for the life of the state
 directory), so a capture filed again (a later Begin of the same request) is a new seq and the old
@@ -43,7 +51,7 @@ from typing import Any, Iterator, Union
 
 import msgspec
 
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2
 JOURNAL_PREFIX = ".journal-"
 FRAME = struct.Struct("<II")  # length, crc32
 MAX_FRAME_BYTES = 16 << 20  # one entry: a Began with a long prompt is the largest
@@ -146,6 +154,30 @@ class Ended(msgspec.Struct, tag="e", array_like=True, forbid_unknown_fields=True
     wall: float
 
 
+class Ending(msgspec.Struct, tag="n", array_like=True, forbid_unknown_fields=True):
+    """The capture's END record was read while positions of it were still to come (an END's meta,
+    ring_schema.EndMeta, with its spec as CaptureSpec.to_meta())."""
+
+    seq: int
+    reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    output_token_ids: list[int]
+    end_position: int
+    spec: dict[str, Any] | None
+    source: str | None
+
+
+class Read(msgspec.Struct, tag="r", array_like=True, forbid_unknown_fields=True):
+    """Everything below `cursor` of the ring (the instance's file `ring`, created at `epoch`) is in the
+    frames before this one."""
+
+    instance: str
+    ring: str
+    epoch: int
+    cursor: int
+
+
 class Shed(msgspec.Struct, tag="s", array_like=True, forbid_unknown_fields=True):
     """The daemon replaced the data of a capture in flight by gaps with `reason` (its budget)."""
 
@@ -159,7 +191,7 @@ class Forgot(msgspec.Struct, tag="x", array_like=True, forbid_unknown_fields=Tru
     seq: int
 
 
-Entry = Union[SegmentHead, Began, Data, Hole, Ended, Shed, Forgot]
+Entry = Union[SegmentHead, Began, Data, Hole, Ending, Ended, Shed, Forgot, Read]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Entry)

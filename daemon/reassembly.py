@@ -358,14 +358,17 @@ class Reassembler:
             self._adopt(a, end, slices, now, out)
         return out
 
-    def continue_filed(self, begin: Begin, history: list[Event], now: float) -> None:
+    def continue_filed(self, begin: Begin, history: list[Event], now: float,
+                       end: ControlRecord | None = None) -> list[Event]:
         """A capture in flight that an earlier daemon run filed (`history`: its Begin, Tokens and Gaps,
         adopted from its journal, daemon/adoption.py) and whose rest is still to be read: records of
         it go on from where that history stops, and what lies between (read by that run and never
-        filed) is a Gap NOT_CAPTURED_PREVIOUS, as for any head a previous daemon consumed. Emits
-        nothing: what it continues is filed already."""
+        filed) is a Gap NOT_CAPTURED_PREVIOUS, as for any head a previous daemon consumed. `end`:
+        the END that run had read for it (its ring cursor is past it), taken as if read now. Emits
+        only what that END brings (what it continues is filed already)."""
+        out: list[Event] = []
         if begin.request_id in self._requests:
-            return
+            return out
         a = Assembly(self.instance, begin.request_id, begin.tap_key, begin.num_prompt_tokens, begin.lazy, self.tally,
                      source=begin.source, inherited=True, hold=self.hold_newest)
         if begin.spec is not None:
@@ -396,6 +399,9 @@ class Reassembler:
         self._requests[a.request_id] = a
         self._finished.pop(a.request_id, None)
         a.last_record_at = now
+        if end is not None:
+            self._on_end(end, now, out)
+        return out
 
     def _adopt(self, a: Assembly, end: ControlRecord | None, slices: list[Slice], now: float,
                out: list[Event]) -> None:

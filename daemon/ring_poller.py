@@ -142,6 +142,10 @@ class RingPoller:
         # A peer daemon (daemon/peer_link.py): each ring is read by this instead, its raw records
         # forwarded to the home daemon; returns how many it read.
         self.forward: Callable[[OpenRing], int] | None = None
+        # With a journal (daemon/journal.py) a ring's file cursor moves only once what was read is
+        # journaled (`commit`); `resume` has where an earlier run's journal says it had read to.
+        self.defer_commit = False
+        self.resume: dict[tuple[str, str], tuple[int, int]] = {}  # (instance, ring) -> (epoch, cursor)
 
     def use_arena(self, arena: Any, destination: Destination, copier: Copier | None) -> None:
         """Rings opened from now on read their payloads where `destination` says (the delivery arena,
@@ -266,9 +270,23 @@ class RingPoller:
             elif ring.exited_at_cursor is not None:
                 self._written_after_exit(ring)
 
+    def uncommitted(self) -> list[tuple[str, str, int, int]]:
+        """(instance, ring, epoch, cursor) of every ring read further than its file's cursor says."""
+        return [(r.instance, r.reader.name, r.reader.epoch, r.reader.read_cursor) for r in self._order
+                if r.reader.uncommitted]
+
+    def commit(self) -> None:
+        """Every ring's file cursor to what was read (the daemon journaled it)."""
+        for r in self._order:
+            if r.reader.uncommitted:
+                try:
+                    r.reader.commit()
+                except OSError:
+                    pass  # a ring that went bad: its next poll finds out
+
     def close(self) -> None:
         for ring in list(self._rings.values()):
-            self._close_ring(ring)  # read cursors live in the files and are current after every poll
+            self._close_ring(ring)  # closing commits each ring's read cursor
         self._order = []
         self._dir.close()
         if self.doorbell is not None:
@@ -304,7 +322,11 @@ class RingPoller:
                 log.warning("ignoring %s: %s%s", path, e, "" if self._refusal_logs else
                             " (further refused files are only counted: `vllm-tap status`)")
             return
+        reader.defer_commit = self.defer_commit
         ring = self._rings[c.key] = OpenRing(reader, c.instance, c.dir_fd, checked=now)
+        epoch, cursor = self.resume.pop(c.key, (None, 0))
+        if epoch == reader.epoch and reader.skip_to(cursor):
+            log.info("ring %s: read on from %d, where the earlier run's journal says it had read to", path, cursor)
         if reader.resumed:
             self._facts.ring_resumed(c.instance, reader.name)
         self._watch_writer(ring, now)

@@ -65,8 +65,12 @@ from typing import Callable
 
 import zmq
 
+from vllm_tap import ring_format as rf
+from vllm_tap import ring_schema
 from vllm_tap import wire_format as wf
+from vllm_tap.ring_records import ControlRecord
 from vllm_tap.safe_paths import UnsafePath
+from vllm_tap.spec import CaptureSpec
 from vllm_tap.status_format import DaemonStatus, to_map
 
 from .access import RingAccess, narrow_socket, prepare_arena_dir, prepare_socket_dir, socket_gid, socket_path
@@ -85,6 +89,7 @@ from .peers import Peers
 from .pins import Pins
 from .destination import ArenaDestination
 from .engine_check import EngineCheck, placements_of
+from .events import Begin
 from .ring_poller import RingPoller
 from .sequence import SequenceCounter
 from .status import StatusView
@@ -400,10 +405,25 @@ class Daemon:
                 self._last_probe = now
                 hub.probe()
         if self.journal is not None:
-            self.journal.flush()  # nothing goes out before the journal has it
+            self._journal_reads()  # nothing goes out, and no ring cursor moves, before the journal has it
         busy |= hub.send_all()
         busy |= self.watch.pump(hub.send, now)
         return busy
+
+    def _journal_reads(self) -> None:
+        """What was filed, then how far the rings were read, into the journal; then the rings' own
+        cursors move (a daemon killed before that reads those records again, and no more)."""
+        journal, rings = self.journal, self.rings
+        assert journal is not None
+        journal.read(rings.uncommitted())
+        journal.flush()
+        rings.commit()
+
+    def _end_read(self, instance: str, record: ControlRecord) -> None:
+        if self.journal is not None:
+            entry = self.store.get((instance, record.request_id))
+            if entry is not None and entry.end is None:
+                self.journal.end_read(entry, record)
 
     def _open_arena(self, gid: int | None) -> None:
         """The delivery arena in its own directory (daemon/access.py: readable by the subscribers'
@@ -447,13 +467,16 @@ class Daemon:
         if arena is None:
             return
         held: list[Entry] = []
+        endings: dict[int, jf.Ending] = {}
         first_segment = 1
         if previous is not None:
             t0 = time.monotonic()
             handed = {(inst, c.request_id) for inst, cs in taken.items() for c in cs}
             try:
-                logs = adoption.replay(previous.arena_id, previous.blobs)
+                replayed = adoption.replay(previous.arena_id, previous.blobs)
+                logs = replayed.logs
                 found = adoption.captures(logs, arena, now)
+                self.rings.resume = replayed.reads
             except Exception:  # a journal must never keep the daemon from starting
                 log.exception("the earlier daemon run's journal could not be replayed: nothing of it is adopted")
                 logs, found = {}, []
@@ -471,7 +494,9 @@ class Daemon:
                 self.watch.adopt(entry)
                 held.append(entry)
                 if not ended:
-                    self.instances.continue_filed(entry, now)
+                    if c.end_read is not None:
+                        endings[c.seq] = c.end_read
+                    self.instances.continue_filed(entry, now, _end_record(begin, c.end_read))
                     self.adopted["in_flight"] += 1
             self.adopted["captures"] = len(held)
             first_segment = max((jf.parse_name(n) or (0, 0))[1] for n in previous.names) + 1 if previous.names else 1
@@ -480,8 +505,10 @@ class Daemon:
         if held:
             log.info("adopted %d captures of the earlier daemon run from its arena (%d in flight), under their "
                      "sequence numbers, in %.2f s", len(held), self.adopted["in_flight"], time.monotonic() - t0)
-        self.journal = Journal.start(arena, held, first_segment, self._stale_segments)
+        self.journal = Journal.start(arena, held, first_segment, self._stale_segments, endings)
         self._stale_segments = []
+        self.rings.defer_commit = not self.journal.failed
+        self.instances.on_end_read = self._end_read
         self.hub.journal = self.journal.filed
         self.store.on_shed = self.journal.shed
         self.store.evict(now)  # adopted captures past retain_ttl_s or beyond retain_bytes go now
@@ -498,6 +525,8 @@ class Daemon:
             if hub.busy or self.watch.busy:
                 time.sleep(0.005)
         self.instances.hand_over(self.config.resolved_state_dir())
+        if self.journal is not None:
+            self._journal_reads()
         self.rings.close()
         if self.copier is not None:
             self.copier.close()
@@ -511,6 +540,18 @@ class Daemon:
             if keep:
                 log.info("the arena %s and its journal stay for the next daemon (%d captures)", self.arena.path,
                          self.store.retained + self.store.in_flight)
+
+
+def _end_record(begin: Begin, e: jf.Ending | None) -> ControlRecord | None:
+    """The END an earlier run had read for a capture in flight, as its ring record."""
+    if e is None:
+        return None
+    meta = ring_schema.EndMeta(reason=e.reason, num_prompt_tokens=e.num_prompt_tokens,
+                               num_output_tokens=e.num_output_tokens, output_token_ids=list(e.output_token_ids),
+                               end_position=e.end_position, source=e.source)
+    return ControlRecord(kind=rf.RecordKind.END, request_id=begin.request_id, tap_key=begin.tap_key,
+                         num_prompt_tokens=e.num_prompt_tokens, source=e.source or begin.source, control=meta,
+                         spec=CaptureSpec.from_meta(e.spec) if e.spec is not None else None)
 
 
 def _prepare_endpoint(endpoint: str, ctx: zmq.Context, gid: int | None = None) -> None:

@@ -79,9 +79,9 @@ class DaemonHandle:
                 with Client(self.endpoint) as c:
                     c.status(timeout=1.0)
                 return self
-            except DaemonUnavailable:
+            except DaemonUnavailable as e:
                 if time.monotonic() > deadline:
-                    raise
+                    raise DaemonUnavailable(f"{e}; its log ends:\n{_tail(self.log_path)}") from None
                 time.sleep(0.1)
 
     def status(self, timeout: float = 10.0) -> dict[str, Any]:

@@ -189,6 +189,8 @@ class RingReader:
         self.placement = where
         self._writable = writable
         self._r = read
+        self._committed = read  # the cursor as the file has it
+        self.defer_commit = False  # commit() moves the file's cursor, not every poll
         self.written = read  # the writer's cursor as the last poll found it (before reading)
         self.resumed = read > 0  # a previous reader consumed part of it (a restarted daemon)
         self.corrupt = 0
@@ -272,8 +274,33 @@ class RingReader:
 
     def _store_read_cursor(self, r: int) -> None:
         self._r = r
-        if self._writable:
+        if not self.defer_commit:
+            self.commit()
+
+    def commit(self) -> None:
+        """Move the ring file's read cursor to what was read: the writer may reuse what lies below.
+        With `defer_commit` the owner calls it once what it read is safe elsewhere (the daemon's
+        journal), so a reader killed before that reads it again next time."""
+        r = self._r
+        if self._writable and r != self._committed:
             os.pwrite(self._fd, r.to_bytes(8, "little"), rf.READ_CURSOR_OFFSET)
+            self._committed = r
+
+    @property
+    def uncommitted(self) -> bool:
+        return self._r != self._committed
+
+    def skip_to(self, cursor: int) -> bool:
+        """Go on from `cursor` (what an earlier reader read and accounted for, though the file's cursor
+        had not moved there yet) if it lies on a record boundary between this reader's cursor and the
+        writer's; False, and nothing changes, if it does not."""
+        r = self._r
+        if cursor <= r or cursor % rf.ALIGN or cursor - r > self.capacity or cursor > self.write_cursor():
+            return False
+        self._r = cursor
+        self.resumed = True
+        self.commit()
+        return True
 
     def _stamp(self) -> None:
         now = time.time_ns()
@@ -590,10 +617,16 @@ class RingReader:
             self._unlogged = 0
 
     def close(self) -> None:
+        """Commit (the owner closes a ring once it accounted for what it read: a stop hands it over)
+        and let go of the file."""
         if self.copier is not None:
             self._take_ahead(-1)
             self.copier.forget(self)
         if self._fd >= 0:
+            try:
+                self.commit()
+            except OSError:
+                pass
             os.close(self._fd)
             self._fd = -1
 

@@ -142,6 +142,33 @@ def test_read_cursor_persists_across_reader_restarts(shm_dir):
     assert first == [0, 1, 2, 3] and rest == list(range(4, 10))
 
 
+def test_a_deferred_reader_moves_the_file_cursor_only_when_it_commits(shm_dir):
+    """What a reader that defers its commits read and did not commit is read again by the next
+    reader (a daemon killed before its journal had it); `skip_to` goes on from a cursor the reader
+    accounted for elsewhere, and only from a record boundary within what the writer wrote."""
+    path = ring_path(shm_dir, "i", 0)
+    w = RingWriter(path, 1 << 16)
+    for k in range(10):
+        _write(w, "r", [k], 4)
+    r1 = RingReader(path)
+    r1.defer_commit = True
+    assert [int(x.positions[0]) for x in r1.poll(max_records=4)] == [0, 1, 2, 3]
+    at4 = r1.read_cursor
+    assert read_info(path).read_cursor == 0 and r1.uncommitted
+    r1.commit()
+    assert read_info(path).read_cursor == at4 and not r1.uncommitted
+    assert [int(x.positions[0]) for x in r1.poll(max_records=2)] == [4, 5]
+    at6 = r1.read_cursor
+    r2 = RingReader(path)  # the next daemon, r1's having died before it committed
+    assert r2.read_cursor == at4
+    assert not r2.skip_to(at6 + 1) and not r2.skip_to(at4) and not r2.skip_to(at6 + 10 * (1 << 16))
+    assert r2.read_cursor == at4
+    assert r2.skip_to(at6) and read_info(path).read_cursor == at6
+    assert [int(x.positions[0]) for x in per_tensor(r2.poll())] == [6, 7, 8, 9]
+    r2.close()
+    r1.close()
+
+
 def test_a_restarted_writer_is_a_new_epoch_and_the_old_mapping_still_drains(shm_dir):
     path = ring_path(shm_dir, "i", 0)
     w1 = RingWriter(path, 1 << 16)

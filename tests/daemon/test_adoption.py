@@ -9,12 +9,15 @@ Real daemon processes on a real shm directory, traffic from the synthetic engine
 from __future__ import annotations
 
 import os
+import random
+import time
 
 import numpy as np
 import pytest
 
 from synthetic_writer import Scenario, SyntheticEngine, assert_capture, capture_arrays, expected
 from waiting import wait_until
+from vllm_tap import ring_format as rf
 from vllm_tap.client import CaptureNotFound, LostCaptures
 from vllm_tap.daemon import journal_format as jf
 
@@ -130,6 +133,81 @@ def test_a_capture_in_flight_at_a_sigkill_goes_on_with_what_was_filed(daemon_fac
         eng.close()
 
 
+def test_a_daemon_killed_again_and_again_while_it_reads_a_backlog_loses_no_position(daemon_factory, shm_dir):
+    """80 whole captures (BEGIN, data, END) wait in the rings; the daemon reading them is SIGKILLed at
+    random moments, 6 times, and restarted each time. Every capture comes back once, ended by its
+    END, its values exact: a record read and not yet journaled is read again by the next daemon (a
+    ring's cursor moves only once the journal has what was read there), one journaled is not read
+    twice (the journal says how far each ring was read), an END read is kept. What a kill can still
+    cost is a step whose records it had read only in part (a step group waiting for its other
+    tensors): one position a kill at most, a Gap `consumed by a previous daemon`. (Before: the
+    records a killed daemon had read and not yet journaled were lost: captures ended `end lost`,
+    positions missing.)"""
+    n = 80
+    sc = Scenario(n_requests=n, tp=1, prompt_len=8, gen_len=100, chunk=8, vocab=1024, hidden=128,
+                  ring_bytes=128 << 20)
+    d = daemon_factory(end_grace_s=1.0, start=False)
+    eng = SyntheticEngine(sc, shm_dir)
+    try:
+        _finish(eng, list(range(n)))  # the backlog, written while no daemon runs
+        rng = random.Random(20261128)
+        for _ in range(6):
+            d.start()
+            time.sleep(rng.uniform(0.0, 0.4))
+            d.kill()
+        d.start()
+        c = d.client()
+        missing = 0
+        for i in range(n):
+            cap = c.fetch(sc.request_id(i), timeout=60)
+            got, lost = cap.positions.tolist(), list(cap.missing_positions)
+            assert cap.finish_reason == "length" and cap.expected == (0, sc.end_position), (i, cap.finish_reason)
+            assert sorted(got + lost) == list(range(*cap.expected)), (i, lost)
+            arrays, want = capture_arrays(cap), expected(sc, i)
+            for name in ("logits", "hidden.0", "hidden.2", "token_ids"):
+                assert arrays[name].tobytes() == want[name][got].tobytes(), (i, name)
+            missing += len(lost)
+        assert missing <= 6, missing
+        st = d.status()
+        assert st["retained_requests"] == n and st["requests_in_flight"] == 0, st["retained_requests"]
+    finally:
+        eng.close()
+
+
+def test_records_a_killed_daemon_journaled_are_not_read_twice(daemon_factory, shm_dir):
+    """The daemon is killed after its journal said how far it had read each ring and before the
+    rings' own cursors moved there (here: the cursors are put back to the start): the next daemon
+    reads on from the journal's cursors. Nothing is filed twice: the same 4 captures under the same
+    numbers, bit for bit. (Reading from the rings' cursors would file each capture again, a new
+    capture of what it read twice.)"""
+    d = daemon_factory(end_grace_s=1.0)
+    sc = Scenario(n_requests=4, tp=2, prompt_len=6, gen_len=10, chunk=4, ring_bytes=4 << 20)
+    eng = SyntheticEngine(sc, shm_dir)
+    try:
+        _finish(eng, list(range(4)))
+        c = d.client()
+        before = _fetch_all(c, sc, range(4))
+        seqs = _watch_seqs(c, 0, 4)
+        _settled(d)
+        d.kill()
+        for name in os.listdir(os.path.join(shm_dir, sc.instance)):
+            with open(os.path.join(shm_dir, sc.instance, name), "r+b") as f:
+                f.seek(rf.READ_CURSOR_OFFSET)
+                f.write(bytes(8))
+        d.start()
+        assert "where the earlier run's journal says it had read to" in d.log()
+        _settled(d)
+        c = d.client()
+        after = _fetch_all(c, sc, range(4))
+        for i in range(4):
+            _same(before[sc.request_id(i)], after[sc.request_id(i)])
+        st = d.status()
+        assert st["retained_requests"] == 4 and st["requests_in_flight"] == 0, st["retained_requests"]
+        assert _watch_seqs(c, 0, 4) == seqs
+    finally:
+        eng.close()
+
+
 def test_a_sigterm_with_nothing_retained_leaves_no_arena_behind(daemon_factory, shm_dir):
     d = daemon_factory(end_grace_s=1.0)
     assert d.stop(timeout=30) == 0
@@ -238,7 +316,7 @@ def _adopt(tmp_path, build):
     _data.keep.clear()
     b = Arena.reopen(str(tmp_path), a.arena_id, a.capacity)
     assert b is not None
-    out = adoption.captures(adoption.replay(a.arena_id, [blob]), b, now=1.0)
+    out = adoption.captures(adoption.replay(a.arena_id, [blob]).logs, b, now=1.0)
     b.end_adoption()
     return out, b
 
@@ -277,7 +355,35 @@ def test_replay_follows_begin_data_end_forget_and_a_checkpoint(tmp_path):
     assert [type(e).__name__ for e in out[1].history] == ["Begin", "Gap"] and out[1].history[1].reason == "over budget"
     # a checkpoint segment forgets what came before it
     blob2 = _journal(arena, _began(9, "later"))
-    assert list(adoption.replay(arena.arena_id, [_journal(arena, _began(1)), blob2])) == [9]
+    assert list(adoption.replay(arena.arena_id, [_journal(arena, _began(1)), blob2]).logs) == [9]
+
+
+def test_replay_keeps_the_end_read_of_a_capture_in_flight_and_the_last_cursor_of_each_ring(tmp_path):
+    from vllm_tap.daemon import adoption
+
+    ending = jf.Ending(1, "length", 2, 2, [7, 8], 4, None, "client")
+    late = jf.Ending(2, "stop", 2, 2, [7, 8], 4, None, "client")
+
+    def build(a):
+        return _journal(a, _began(1), _data(a, 1, 0, 2), jf.Read("default", "rank-00000.ring", 5, 128), ending,
+                        _began(2, "ended"), _data(a, 2, 0, 4), _ended(2), late,
+                        jf.Read("default", "rank-00000.ring", 5, 512), jf.Read("default", "engine.ring", 6, 64))
+
+    from vllm_tap.daemon.arena import Arena
+
+    a = _arena(tmp_path)
+    blob = build(a)
+    bad = _journal(a, _began(3), jf.Ending(3, "length", 2, 2, [7, 8], -1, None, "client"))
+    a.close(keep=True)
+    _data.keep.clear()
+    r = adoption.replay(a.arena_id, [blob])
+    assert r.logs[1].end_read == ending and r.logs[2].end_read is None  # an END read after its End: nothing
+    assert r.reads == {("default", "rank-00000.ring"): (5, 512), ("default", "engine.ring"): (6, 64)}
+    b = Arena.reopen(str(tmp_path), a.arena_id, a.capacity)
+    (one, two) = adoption.captures(r.logs, b, now=1.0)
+    assert one.end_read == ending and one.ended_wall is None and two.end_read is None
+    assert adoption.captures(adoption.replay(a.arena_id, [bad]).logs, b, now=1.0) == []  # an END out of bounds
+    b.end_adoption()
 
 
 @pytest.mark.parametrize("bad", ["gen", "block", "offset", "overlap"])
@@ -319,14 +425,14 @@ def test_a_torn_frame_ends_the_replay_and_keeps_what_came_before(tmp_path):
     a = _arena(tmp_path)
     blob = _journal(a, _began(1), _began(2, "two"))
     torn = blob[:-3]
-    assert list(adoption.replay(a.arena_id, [torn])) == [1]
+    assert list(adoption.replay(a.arena_id, [torn]).logs) == [1]
     flipped = bytearray(blob)
     flipped[-1] ^= 0x55
-    assert list(adoption.replay(a.arena_id, [bytes(flipped)])) == [1]
+    assert list(adoption.replay(a.arena_id, [bytes(flipped)]).logs) == [1]
     garbage = blob + jf.FRAME.pack(5, 0) + b"\xc1\xc1\xc1\xc1\xc1"
-    assert list(adoption.replay(a.arena_id, [garbage])) == [1, 2]
+    assert list(adoption.replay(a.arena_id, [garbage]).logs) == [1, 2]
     other = _journal(a, _began(1))
-    assert adoption.replay(a.arena_id + 2, [other]) == {}
+    assert adoption.replay(a.arena_id + 2, [other]).logs == {}
 
 
 def test_adopting_an_arena_gives_back_the_memory_its_captures_do_not_hold(tmp_path):
@@ -403,7 +509,7 @@ def test_the_journal_stays_bounded_and_replays_what_is_held_across_segments(tmp_
     names = sorted(n for n in os.listdir(tmp_path) if n.startswith(jf.JOURNAL_PREFIX))
     assert j.relocated_bytes > 0 and len(names) <= 8, (j.snapshot(), names)
     blobs = [open(tmp_path / n, "rb").read() for n in names]
-    logs = adoption.replay(a.arena_id, blobs)
+    logs = adoption.replay(a.arena_id, blobs).logs
     assert sorted(logs) == [1, 2, 300]
     j.close(keep=True)
     a.close(keep=True)

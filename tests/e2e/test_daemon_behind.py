@@ -146,20 +146,22 @@ def test_a_daemon_killed_restarted_and_stopped_under_traffic_never_calls_data_in
     threads = [threading.Thread(target=client, args=(c,)) for c in range(4)]
     for t in threads:
         t.start()
-    for _ in range(2):
+    try:  # the clients stop whatever happens: their traffic must not run on into the next test
+        for _ in range(2):
+            time.sleep(4)
+            stack.daemon.proc.kill()
+            stack.daemon.proc.wait()
+            time.sleep(1)
+            stack.daemon.start(timeout=90)  # a loaded machine can take long to start a process
         time.sleep(4)
-        stack.daemon.proc.kill()
-        stack.daemon.proc.wait()
-        time.sleep(1)
-        stack.daemon.start(timeout=90)  # a loaded machine can take long to start a process
-    time.sleep(4)
-    os.kill(stack.daemon.proc.pid, signal.SIGSTOP)
-    time.sleep(4)
-    os.kill(stack.daemon.proc.pid, signal.SIGCONT)
-    time.sleep(6)
-    over.set()
-    for t in threads:
-        t.join(120)
+        os.kill(stack.daemon.proc.pid, signal.SIGSTOP)
+        time.sleep(4)
+        os.kill(stack.daemon.proc.pid, signal.SIGCONT)
+        time.sleep(6)
+    finally:
+        over.set()
+        for t in threads:
+            t.join(120)
     assert not errors, errors[:3]
     deadline = time.monotonic() + 60
     while True:  # every capture the last daemon met ends, with vLLM idle (only its LIVE timer writes)

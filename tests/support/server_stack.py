@@ -71,6 +71,14 @@ class ServerStack:
     def _clean(self) -> None:
         self.server.stop()
         self.daemon.stop()
+        keep = os.environ.get("VLLM_TAP_TEST_LOGS")  # a directory: the daemon's and the server's logs go there
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            for name in ("daemon.log", "server.log"):
+                try:
+                    shutil.copy(os.path.join(self.tmp, name), os.path.join(keep, f"{os.path.basename(self.tmp)}-{name}"))
+                except OSError:
+                    pass
         shutil.rmtree(self.shm, ignore_errors=True)
         shutil.rmtree(self.shm.rstrip("/") + ".arena", ignore_errors=True)  # the arena directory a killed daemon left
         shutil.rmtree(self.tmp, ignore_errors=True)
