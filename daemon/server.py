@@ -470,12 +470,15 @@ class Daemon:
         endings: dict[int, jf.Ending] = {}
         first_segment = 1
         if previous is not None:
-            t0 = time.monotonic()
+            t0, cpu0 = time.monotonic(), time.process_time()
             handed = {(inst, c.request_id) for inst, cs in taken.items() for c in cs}
+            t_replay = t_check = t0
             try:
                 replayed = adoption.replay(previous.arena_id, previous.blobs)
                 logs = replayed.logs
+                t_replay = time.monotonic()
                 found = adoption.captures(logs, arena, now)
+                t_check = time.monotonic()
                 self.rings.resume = replayed.reads
             except Exception:  # a journal must never keep the daemon from starting
                 log.exception("the earlier daemon run's journal could not be replayed: nothing of it is adopted")
@@ -501,10 +504,15 @@ class Daemon:
             self.adopted["captures"] = len(held)
             first_segment = max((jf.parse_name(n) or (0, 0))[1] for n in previous.names) + 1 if previous.names else 1
             self._stale_segments += previous.names
+        t_filed = time.monotonic()
         self.adopted["regions"] = arena.end_adoption()
         if held:
+            t1 = time.monotonic()
             log.info("adopted %d captures of the earlier daemon run from its arena (%d in flight), under their "
-                     "sequence numbers, in %.2f s", len(held), self.adopted["in_flight"], time.monotonic() - t0)
+                     "sequence numbers, in %.2f s, %.2f s of CPU (journal of %d KiB replayed in %.2f s, checked in %.2f "
+                     "s, filed in %.2f s; the rest of the arena given back in %.2f s)", len(held),
+                     self.adopted["in_flight"], t1 - t0, time.process_time() - cpu0, sum(map(len, previous.blobs)) >> 10,
+                     t_replay - t0, t_check - t_replay, t_filed - t_check, t1 - t_filed)
         self.journal = Journal.start(arena, held, first_segment, self._stale_segments, endings)
         self._stale_segments = []
         self.rings.defer_commit = not self.journal.failed
