@@ -94,6 +94,24 @@ class DaemonHandle:
         _stop(self.proc)
 
 
+def _lower_priority(nice: int) -> Any:
+    """A preexec_fn that lowers the child's priority by `nice`: its autogroup's (Linux groups a
+    session's processes, and shares CPU between groups before it looks at a process's own nice) and
+    its own; None for 0."""
+    if nice <= 0:
+        return None
+
+    def lower() -> None:
+        try:
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(str(nice))
+        except OSError:
+            pass  # no autogroups here: the process's own nice is what counts
+        os.nice(nice)
+
+    return lower
+
+
 @dataclass
 class ServerHandle:
     """An OpenAI-compatible vLLM server with (or without) the tap enabled."""
@@ -104,6 +122,10 @@ class ServerHandle:
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
+    # Lower the server's CPU priority by this much (its own session's scheduling group, and the
+    # process): on a small CPU-only box its inference takes every core, and a daemon, a client or a
+    # test beside it then waits tens of milliseconds for each slice of CPU. A GPU server does not.
+    nice: int = 0
 
     @property
     def base_url(self) -> str:
@@ -115,7 +137,8 @@ class ServerHandle:
         env = {**os.environ, **self.env}
         log.info("starting vLLM: %s", " ".join(argv))
         with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=out, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=out, env=env, start_new_session=True,
+                                         stdin=subprocess.DEVNULL, preexec_fn=_lower_priority(self.nice))
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:

@@ -41,8 +41,9 @@ class ServerStack:
         self.daemon = DaemonHandle(self.shm, f"ipc://{self.tmp}/tap.sock", os.path.join(self.tmp, "daemon.log"),
                                    args=list(daemon_args))
         args = cpu_server_args(eager=eager, max_num_batched_tokens=max_num_batched_tokens) + list(server_args)
+        # vLLM's CPU inference below the daemon and the test: as on a GPU host, where it leaves them cores.
         self.server = ServerHandle(self.model, free_port(), os.path.join(self.tmp, "server.log"),
-                                   args + tap_server_args(self.shm, instance, **tap))
+                                   args + tap_server_args(self.shm, instance, **tap), nice=10)
 
     def __enter__(self) -> "ServerStack":
         import openai
