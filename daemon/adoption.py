@@ -227,11 +227,7 @@ def _capture(seq: int, cl: CaptureLog, arena: Arena, now: float) -> Adopted:
         raise Unfit("its names are out of bounds")
     if b.n < 1 or b.num_prompt_tokens < 0 or (b.start_position is not None and not 0 <= b.start_position < MAX_POSITION):
         raise Unfit("its begin is out of bounds")
-    if b.spec is not None:
-        try:
-            CaptureSpec.from_meta(b.spec)
-        except _SPEC_ERRORS as e:
-            raise Unfit(f"its spec does not decode ({e})") from None
+    _check_spec(b.spec, "its spec")
     begin = Begin(b.instance, b.request_id, b.tap_key, b.num_prompt_tokens, b.prompt_token_ids, b.n, b.model, b.spec,
                   b.start_position, b.lazy, False, now, b.source)
     history: list[Event] = [begin]
@@ -262,12 +258,16 @@ def _capture(seq: int, cl: CaptureLog, arena: Arena, now: float) -> Adopted:
         if (not 0 <= e.end_position < MAX_POSITION or len(e.output_token_ids) > MAX_POSITION
                 or len(e.reason) > jf.MAX_NAME_CHARS or len(e.source or "") > jf.MAX_NAME_CHARS):
             raise Unfit("its END is out of bounds")
-        if e.spec is not None:
-            try:
-                CaptureSpec.from_meta(e.spec)
-            except _SPEC_ERRORS as err:
-                raise Unfit(f"its END's spec does not decode ({err})") from None
+        _check_spec(e.spec, "its END's spec")
     return Adopted(seq, history, ended_wall, end_read)
+
+
+def _check_spec(spec: dict | None, what: str) -> None:
+    if spec is not None:
+        try:
+            CaptureSpec.from_meta(spec)
+        except _SPEC_ERRORS as e:
+            raise Unfit(f"{what} does not decode ({e})") from None
 
 
 def _tokens(b: jf.Began, d: jf.Data, arena: Arena, now: float) -> Tokens | None:

@@ -69,15 +69,20 @@ def _watch_seqs(client, since: int, n: int) -> dict[str, int]:
     return seqs
 
 
+def _served(daemon_factory, shm_dir, n: int):
+    """A daemon that delivered n finished captures of two ranks: (daemon, scenario, engine, the captures)."""
+    d = daemon_factory(end_grace_s=1.0)
+    sc = Scenario(n_requests=n, tp=2, prompt_len=6, gen_len=10, chunk=4, ring_bytes=4 << 20)
+    eng = SyntheticEngine(sc, shm_dir)
+    _finish(eng, list(range(n)))
+    return d, sc, eng, _fetch_all(d.client(), sc, range(n))
+
+
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
 def test_retained_captures_survive_a_restart_bit_for_bit_under_their_numbers(daemon_factory, shm_dir, how):
-    d = daemon_factory(end_grace_s=1.0)
-    sc = Scenario(n_requests=6, tp=2, prompt_len=6, gen_len=10, chunk=4, ring_bytes=4 << 20)
-    eng = SyntheticEngine(sc, shm_dir)
+    d, sc, eng, before = _served(daemon_factory, shm_dir, 6)
     try:
-        _finish(eng, list(range(6)))
         c = d.client()
-        before = _fetch_all(c, sc, range(6))
         for i in range(6):
             assert_capture(sc, i, capture_arrays(before[sc.request_id(i)]))
         seqs = _watch_seqs(c, 0, 6)
@@ -180,13 +185,9 @@ def test_records_a_killed_daemon_journaled_are_not_read_twice(daemon_factory, sh
     reads on from the journal's cursors. Nothing is filed twice: the same 4 captures under the same
     numbers, bit for bit. (Reading from the rings' cursors would file each capture again, a new
     capture of what it read twice.)"""
-    d = daemon_factory(end_grace_s=1.0)
-    sc = Scenario(n_requests=4, tp=2, prompt_len=6, gen_len=10, chunk=4, ring_bytes=4 << 20)
-    eng = SyntheticEngine(sc, shm_dir)
+    d, sc, eng, before = _served(daemon_factory, shm_dir, 4)
     try:
-        _finish(eng, list(range(4)))
         c = d.client()
-        before = _fetch_all(c, sc, range(4))
         seqs = _watch_seqs(c, 0, 4)
         _settled(d)
         d.kill()
