@@ -282,8 +282,9 @@ class RingReader:
         With `defer_commit` the owner calls it once what it read is safe elsewhere (the daemon's
         journal), so a reader killed before that reads it again next time."""
         r = self._r
-        if self._writable and r != self._committed:
-            os.pwrite(self._fd, r.to_bytes(8, "little"), rf.READ_CURSOR_OFFSET)
+        if r != self._committed:
+            if self._writable:
+                os.pwrite(self._fd, r.to_bytes(8, "little"), rf.READ_CURSOR_OFFSET)
             self._committed = r
 
     @property
@@ -291,9 +292,9 @@ class RingReader:
         return self._r != self._committed
 
     def skip_to(self, cursor: int) -> bool:
-        """Go on from `cursor` (what an earlier reader read and accounted for, though the file's cursor
-        had not moved there yet) if it lies on a record boundary between this reader's cursor and the
-        writer's; False, and nothing changes, if it does not."""
+        """Go on from `cursor`, a record boundary an earlier reader of this ring read to and accounted
+        for elsewhere (the file's cursor had not moved there yet), if it lies aligned between this
+        reader's cursor and the writer's; False, and nothing changes, if it does not."""
         r = self._r
         if cursor <= r or cursor % rf.ALIGN or cursor - r > self.capacity or cursor > self.write_cursor():
             return False
