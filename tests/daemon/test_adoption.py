@@ -250,12 +250,8 @@ def test_a_torn_journal_adopts_what_precedes_the_tear(daemon_factory, shm_dir):
 
 
 def test_a_journal_others_may_write_is_not_replayed(daemon_factory, shm_dir):
-    d = daemon_factory(end_grace_s=1.0)
-    sc = Scenario(n_requests=1, tp=1, prompt_len=6, gen_len=6, chunk=4, ring_bytes=4 << 20)
-    eng = SyntheticEngine(sc, shm_dir)
+    d, sc, eng, _ = _served(daemon_factory, shm_dir, 1)
     try:
-        _finish(eng, [0])
-        d.client().fetch(sc.request_id(0), timeout=30)
         d.kill()
         arena_dir = shm_dir.rstrip("/") + ".arena"
         for n in os.listdir(arena_dir):
