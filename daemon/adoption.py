@@ -53,10 +53,10 @@ class CaptureLog:
 @dataclass
 class Replayed:
     """What a journal says: the captures the arena holds, by seq (those it let go of are not among
-    them), and how far each ring was read ((instance, ring) -> (epoch, cursor))."""
+    them), and how far each ring was read ((instance, ring) -> (epoch, cursor, read), jf.Read)."""
 
     logs: dict[int, CaptureLog] = field(default_factory=dict)
-    reads: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    reads: dict[tuple[str, str], tuple[int, int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -184,7 +184,7 @@ def replay(arena_id: int, blobs: list[bytes]) -> Replayed:
                     if have is not None and have.ended is None:
                         have.end_read = entry  # type: ignore[assignment]
                 elif t is jf.Read:
-                    reads[(entry.instance, entry.ring)] = (entry.epoch, entry.cursor)  # type: ignore[union-attr]
+                    reads[(entry.instance, entry.ring)] = (entry.epoch, entry.cursor, entry.read)  # type: ignore[union-attr]
                 elif t is jf.Shed:
                     have = logs.get(entry.seq)  # type: ignore[union-attr]
                     if have is not None:

@@ -34,6 +34,7 @@ class Tally:
                       "past_end_records": 0, "rejected_records": 0, "requests_started": 0, "requests_finished": 0,
                       "missing_positions": 0, "live_records": 0, "ends_lost": 0, "captures_cut": 0,
                       "captures_shed": 0, "shed_records": 0,
+                      "replayed_records": 0,  # read again after a restart, of captures an earlier run finished
                       "direct": 0}  # (capture, record) pairs of whole records delivered the direct way
 
 

@@ -91,7 +91,7 @@ def pump(a: Assembly, now: float, out: list[Event], force_reason: str | None = N
         else:
             tok = span.tokens.since(a.frontier)
             if hi < span.stop:
-                push(a, Span(hi, span.stop, tok.since(hi)))  # held back, see HOLD_NEWEST
+                push(a, Span(hi, span.stop, tok.since(hi), origin=span.origin))  # held back, see HOLD_NEWEST
                 tok = tok.before(hi)
             _tokens(a, tok, hi, out)
     if force_reason is not None:
@@ -102,9 +102,11 @@ def pump(a: Assembly, now: float, out: list[Event], force_reason: str | None = N
     return resolved(a)
 
 
-def offer(a: Assembly, tok: Tokens, p0: int, p1: int, now: float, out: list[Event]) -> bool:
+def offer(a: Assembly, tok: Tokens, p0: int, p1: int, now: float, out: list[Event],
+          origin: tuple[tuple[tuple[str, int], int], ...] = ()) -> bool:
     """Positions [p0, p1) of data that arrived in order (its capture's frontier known, nothing of it
-    pending): deliver what can go now; True when every expected position went out."""
+    pending; `origin`: its ring records, Span.origin): deliver what can go now; True when every
+    expected position went out."""
     lim = limit(a)
     ready = a.ready
     if not ready:
@@ -115,11 +117,11 @@ def offer(a: Assembly, tok: Tokens, p0: int, p1: int, now: float, out: list[Even
         held = ready[0][3]
         if held.tokens is not None and held.start == a.frontier and held.stop == p0 and held.stop <= lim <= p0:
             # The one span held back goes out, and this one is held in its place (a heap of one).
-            ready[0] = (p0, 0, next(a.order), Span(p0, p1, tok))
+            ready[0] = (p0, 0, next(a.order), Span(p0, p1, tok, origin=origin))
             a.account(tok.nbytes - held.tokens.nbytes)
             _tokens(a, held.tokens, held.stop, out)
             return False
-    push(a, Span(p0, p1, tok))
+    push(a, Span(p0, p1, tok, origin=origin))
     return pump(a, now, out)
 
 

@@ -54,8 +54,8 @@ class Instances:
 
     # -- what the ring poller tells (ring_poller.RingFacts) --
 
-    def ring_resumed(self, instance: str, ring: str) -> None:
-        self.reassembler(instance).resumed_ring(ring)
+    def ring_resumed(self, instance: str, ring: str, replay_until: int = 0) -> None:
+        self.reassembler(instance).resumed_ring(ring, replay_until)
 
     def record(self, instance: str, record: Record, now: float, path: str) -> None:
         try:
@@ -86,6 +86,20 @@ class Instances:
 
     def ring_closed(self, instance: str, ring: str, now: float) -> None:
         self._deliver(self.reassembler(instance).ring_closed(ring, now), now)
+
+    def holds(self, floors: dict[tuple[str, str, int], int]) -> dict[tuple[str, str, int], int]:
+        """(instance, ring, epoch) -> where the earliest record whose data is held unfiled starts, of
+        the rings in `floors` (-> their file's cursor: holds below it are given up)."""
+        out: dict[tuple[str, str, int], int] = {}
+        for inst, reasm in self._reasm.items():
+            mine = {(ring, epoch): c for (i, ring, epoch), c in floors.items() if i == inst}
+            if not mine:
+                continue
+            held: dict[tuple[str, int], int] = {}
+            reasm.holds(mine, held)
+            for (ring, epoch), c in held.items():
+                out[(inst, ring, epoch)] = c
+        return out
 
     # -- time --
 

@@ -10,7 +10,9 @@ Rules:
   (RingPoller.commit), and at stop. A daemon killed before a flush loses nothing: the rings still
   hold what it read since the last one, and the next daemon reads on from the journal's cursors.
   What it held unfiled at a flush (a position held back for a later one, a step waiting for its
-  other records) becomes a Gap `not captured: consumed by a previous daemon`, counted as ever.
+  other records) is still in its ring too: a ring's cursor stays below it (Reassembler.holds), up to
+  a share of the ring (RingPoller.uncommitted), beyond which it is a Gap `not captured: consumed by
+  a previous daemon` if the daemon is killed.
 - Writes go to the arena's directory (tmpfs, like the arena): a write is a copy into the page cache,
   never a disk's fsync. The arena and its journal live and go together (a reboot empties both).
 - Bounded: a segment is closed at SEGMENT_BYTES and a new one begun. A closed segment is removed
@@ -133,11 +135,12 @@ class Journal:
 
     @classmethod
     def start(cls, arena: Arena, held: list[Entry], first_segment: int, stale: list[str],
-              endings: dict[int, jf.Ending] | None = None) -> "Journal":
+              endings: dict[int, jf.Ending] | None = None,
+              reads: dict[tuple[str, str], tuple[int, int, int]] | None = None) -> "Journal":
         """A journal for this run, beginning with a checkpoint of the captures `held` (those adopted
-        from an earlier run, with the ENDs read for those in flight: `endings`); then the earlier
-        run's segments (`stale`, names in the arena's directory) are removed: the checkpoint restates
-        all of theirs that still counts."""
+        from an earlier run, with the ENDs read for those in flight: `endings`) and of how far that
+        run read each ring (`reads`); then the earlier run's segments (`stale`, names in the arena's
+        directory) are removed: the checkpoint restates all of theirs that still counts."""
         directory = os.path.dirname(arena.path)
         dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         j = cls(arena, dir_fd, directory, first_segment)
@@ -150,6 +153,7 @@ class Journal:
                     j._endings[e.seq] = end_read
                 for f in entry_frames(e, arena, end_read):
                     j._append(e.seq, f)
+            j.read([(inst, ring, *at) for (inst, ring), at in (reads or {}).items()])
             j.flush()
         except OSError as e:
             j._fail(e)
@@ -185,13 +189,13 @@ class Journal:
         e = self._endings[seq] = ending(seq, r)
         self._append(seq, jf.frame(e))
 
-    def read(self, cursors: list[tuple[str, str, int, int]]) -> None:
-        """How far rings were read ((instance, ring, epoch, cursor) each): written with the frames
-        of what was read there, before the rings' own cursors move (RingPoller.commit)."""
+    def read(self, cursors: list[tuple[str, str, int, int, int]]) -> None:
+        """How far rings were read ((instance, ring, epoch, cursor, read) each, jf.Read): written with
+        the frames of what was read there, before the rings' own cursors move (RingPoller.commit)."""
         if self.failed:
             return
-        for instance, ring, epoch, cursor in cursors:
-            self._append(0, jf.frame(jf.Read(instance, ring, epoch, cursor)))
+        for instance, ring, epoch, cursor, read in cursors:
+            self._append(0, jf.frame(jf.Read(instance, ring, epoch, cursor, read)))
 
     def dropped(self, entry: Entry, why: str) -> None:
         seq = entry.seq

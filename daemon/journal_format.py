@@ -29,11 +29,14 @@ replay of its segment: everything before it stands. References are checked again
 (bounds, the region's generation) before anything is adopted (daemon/adoption.py).
 
 The daemon moves a ring's read cursor (the writer reuses what lies below it) only after the frames of
-what it read there are written, and writes that cursor first (Read): a killed daemon's successor
-reads again from the cursor in the ring file, or from the journal's where that is further on (the
-frames were written, the cursor not yet), so a record is neither lost nor filed twice. An END read
-for a capture still waiting for its data is written as it is read (Ending): its successor ends the
-capture with it instead of as `end lost`.
+what it read there are written, and writes that cursor first (Read), and never past a record whose
+data it still holds unfiled (the newest position of a capture waiting for its END, a step waiting
+for its other records): a killed daemon's successor reads again from the cursor in the ring file,
+or from the journal's where that is further on (the frames were written, the cursor not yet). What
+it reads again below the Read's `read` (how far the killed daemon had read) counts only for the
+captures it continues, whose filed positions it skips: the held data is filed once, nothing twice.
+An END read for a capture still waiting for its data is written as it is read (Ending): its
+successor ends the capture with it instead of as `end lost`.
 
 A capture is named by its sequence number (daemon/sequence.py: unique for the life of the state
 directory), so a capture filed again (a later Begin of the same request) is a new seq and the old
@@ -51,7 +54,7 @@ from typing import Any, Iterator, Union
 
 import msgspec
 
-JOURNAL_VERSION = 2
+JOURNAL_VERSION = 3
 JOURNAL_PREFIX = ".journal-"
 FRAME = struct.Struct("<II")  # length, crc32
 MAX_FRAME_BYTES = 16 << 20  # one entry: a Began with a long prompt is the largest
@@ -170,12 +173,14 @@ class Ending(msgspec.Struct, tag="n", array_like=True, forbid_unknown_fields=Tru
 
 class Read(msgspec.Struct, tag="r", array_like=True, forbid_unknown_fields=True):
     """Everything below `cursor` of the ring (the instance's file `ring`, created at `epoch`) is in the
-    frames before this one."""
+    frames before this one, and the ring was read up to `read` (>= cursor): what was filed of the
+    records between is in those frames too, the rest was held."""
 
     instance: str
     ring: str
     epoch: int
     cursor: int
+    read: int
 
 
 class Shed(msgspec.Struct, tag="s", array_like=True, forbid_unknown_fields=True):

@@ -24,6 +24,9 @@ class Span:
     stop: int
     tokens: Tokens | None = None
     reason: str = ""
+    # ((ring, epoch), cursor) of each ring record its data came from: while it is held, those rings'
+    # cursors stay at or below it (Reassembler.holds)
+    origin: tuple[tuple[tuple[str, int], int], ...] = ()
 
     @property
     def nbytes(self) -> int:

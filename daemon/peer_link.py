@@ -176,7 +176,7 @@ class PeerLink:
             self._send(self.proto.records(ring_id, recs, reader.read_cursor, reader.written, now))
         return len(recs)
 
-    def ring_resumed(self, instance: str, ring: str) -> None:
+    def ring_resumed(self, instance: str, ring: str, replay_until: int = 0) -> None:
         pass
 
     def record(self, instance: str, record: Any, now: float, path: str) -> None:

@@ -113,6 +113,9 @@ class Reassembler:
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._finished_memory = finished_memory
         self._resumed: set[str] = set()  # rings a previous daemon had been reading
+        # ring -> the cursor below which an earlier run of the daemon read and accounted for its records
+        # (its journal): read again, they matter only to captures still in flight here
+        self._replay: dict[str, int] = {}
         self._last_live_at: float | None = None
         self._read: dict[str, int] = {}  # worker ring -> its read cursor, as the daemon last reported it
         self._barriers: collections.deque[Barrier] = collections.deque()  # oldest first
@@ -156,9 +159,43 @@ class Reassembler:
 
     # -- what the daemon learns of the rings --
 
-    def resumed_ring(self, ring: str) -> None:
-        """`ring` was being read by a previous daemon: captures first seen in it may have lost their head to it."""
+    def resumed_ring(self, ring: str, replay_until: int = 0) -> None:
+        """`ring` was being read by a previous daemon: captures first seen in it may have lost their head
+        to it. Its records below `replay_until` that previous daemon had read, and what it filed of
+        them is adopted: they are read again for the captures it left in flight, whose data it held
+        unfiled (the ring's cursor had stayed below it, see holds), and nothing else."""
         self._resumed.add(ring)
+        if replay_until > 0:
+            self._replay[ring] = replay_until
+
+    def holds(self, floors: dict[tuple[str, int], int], out: dict[tuple[str, int], int]) -> None:
+        """Where the records whose data is held here (a step waiting for its other records, the newest
+        position waiting for the END) start: into `out`, (ring, epoch) -> the lowest cursor at or
+        above that ring's floor (its cursor as the file has it; holds below it are given up)."""
+        last = None
+        for a in self._requests.values():
+            if not a.nbytes:
+                continue
+            for item in a.ready:
+                origin = item[3].origin
+                if origin is last:
+                    continue  # the same record's (a decode step holds each capture's newest position)
+                last = origin
+                for key, c in origin:
+                    if c < out.get(key, 1 << 62) and c >= floors.get(key, 1 << 62):
+                        out[key] = c
+            for g in a.groups.values():
+                for key, c in g.cursors.items():
+                    if c < out.get(key, 1 << 62) and c >= floors.get(key, 1 << 62):
+                        out[key] = c
+
+    def _replayed(self, r: ControlRecord | Slice) -> bool:
+        """A record an earlier daemon run read and accounted for (resumed_ring), met again."""
+        until = self._replay.get(r.ring)
+        if until is not None and 0 <= r.cursor < until:
+            self.stats["replayed_records"] += 1
+            return True
+        return False
 
     def ring_read(self, ring: str, read: int, written: int, now: float) -> list[Event]:
         """The daemon polled worker ring `ring`: its writer had written up to `written` when the poll
@@ -179,6 +216,7 @@ class Reassembler:
         """The daemon no longer reads `ring` (replaced, removed, broken): no Barrier waits for it. A
         ring opened later under the same name is a new file, counted from its first poll."""
         self._read.pop(ring, None)
+        self._replay.pop(ring, None)
         for b in self._barriers:
             b.cursors.pop(ring, None)
         return self._pass_barriers(now)
@@ -452,6 +490,8 @@ class Reassembler:
         if r.request_id in self._finished:
             self.stats["late_records"] += 1
             return None
+        if self._replay and self._replayed(r):
+            return None
         return self._new(r, now, out, lazy=True)
 
     def _arrived(self, r: ControlRecord | Slice, now: float, out: list[Event]) -> Assembly | None:
@@ -476,6 +516,8 @@ class Reassembler:
     def _on_begin(self, r: ControlRecord, now: float, out: list[Event]) -> None:
         a = self._requests.get(r.request_id)
         if a is None:
+            if self._replay and self._replayed(r):
+                return
             self._new(r, now, out, lazy=False)
         elif a.begin is None:
             self._touch(a, now)
@@ -517,6 +559,8 @@ class Reassembler:
             sec_rows = [(name, list(x[:, None, :])) for name, x in names.items()]
         else:
             starts = None
+        # One for the record, shared by its captures' spans (Reassembler.holds looks at each once).
+        origin = (((rec.ring, rec.epoch), rec.cursor),) if rec.cursor >= 0 else ()
         for i, (slot, rows) in enumerate(groups):
             e = rec.entries[slot]
             a = requests.get(e.request_id)
@@ -554,7 +598,7 @@ class Reassembler:
                 tensors = {name: x if rows is None else x[rows] for name, x in names.items()}
             tok = new_tokens(self.instance, a.request_id, pos, ids, a.num_prompt_tokens or e.num_prompt_tokens,
                              tensors, names.dtypes, now, n * names.row_bytes)
-            if delivery.offer(a, tok, p0, p0 + n, now, out):
+            if delivery.offer(a, tok, p0, p0 + n, now, out, origin):
                 self._finish(a, now, out, None)
 
     def _on_slice(self, r: Slice, now: float, out: list[Event]) -> None:
@@ -624,7 +668,7 @@ class Reassembler:
     def _on_end(self, r: ControlRecord, now: float, out: list[Event]) -> None:
         a = self._requests.get(r.request_id)
         if a is None:
-            if r.request_id in self._finished:
+            if r.request_id in self._finished or (self._replay and self._replayed(r)):
                 return
             a = self._new(r, now, out, lazy=True)
         if a.end is not None:
@@ -716,6 +760,7 @@ class Reassembler:
             return
         tensors, dtypes = tiled
         num_prompt = a.num_prompt_tokens or g.num_prompt_tokens
+        origin = g.origin()
         for start, stop, rows in runs(g.positions):
             if len(rows) == len(g.positions) and stop - start == len(rows) and rows[0] == 0:
                 pos, ids, ts = g.positions, g.token_ids, tensors  # the common case: already in order
@@ -723,7 +768,7 @@ class Reassembler:
                 pos, ids = g.positions[rows], g.token_ids[rows]
                 ts = {k: np.ascontiguousarray(x[rows]) for k, x in tensors.items()}
             ordering.push(a, Span(start, stop, Tokens(self.instance, a.request_id, pos, ids, num_prompt, ts, dtypes,
-                                                       now)))
+                                                       now), origin=origin))
         self._kill_stale(a, g)
 
     def _kill_stale(self, a: Assembly, done: StepGroup) -> None:

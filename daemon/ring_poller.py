@@ -52,6 +52,9 @@ READ_BUDGET_BYTES = 16 << 20  # per ring per turn, so one busy ring cannot starv
 READ_TURN_S = 0.005
 READ_CHUNK_RECORDS = 256
 READ_CHUNK_BYTES = 4 << 20
+# A ring's file cursor stays below records whose data the daemon holds unfiled (so a daemon killed
+# meanwhile reads them again) by at most capacity / HOLD_SHARE: the writer keeps its room.
+HOLD_SHARE = 8
 LOG_FIRST = 20  # refused ring files logged one by one; then a count per minute
 KEEP_BROKEN = 100  # rings dropped because they changed under the daemon, remembered for `status`
 
@@ -59,8 +62,10 @@ KEEP_BROKEN = 100  # rings dropped because they changed under the daemon, rememb
 class RingFacts(Protocol):
     """What the poller tells about the rings of each engine instance, in the order it learns it."""
 
-    def ring_resumed(self, instance: str, ring: str) -> None:
-        """`ring` was being read by a previous daemon (its read cursor was not at the start)."""
+    def ring_resumed(self, instance: str, ring: str, replay_until: int = 0) -> None:
+        """`ring` was being read by a previous daemon (its read cursor was not at the start); its
+        records below `replay_until` that previous daemon read, and its journal has what it filed
+        of them (Reassembler.resumed_ring)."""
 
     def record(self, instance: str, record: Record, now: float, path: str) -> None:
         """A record read (`now`: when its poll read it)."""
@@ -110,6 +115,8 @@ class OpenRing:
     exited_at_cursor: int | None = None  # where the ring was when its writer's pidfd said it exited
     destination_failures: int = 0  # reader.destination_failures already counted by the arena
     lag: RingLag = field(default_factory=RingLag)  # how long its oldest unread byte has waited
+    reported: int = -1  # the read cursor the last `uncommitted` reported
+    target: int | None = None  # where `commit` moves its file's cursor
 
     @property
     def path(self) -> str:
@@ -145,7 +152,8 @@ class RingPoller:
         # With a journal (daemon/journal.py) a ring's file cursor moves only once what was read is
         # journaled (`commit`); `resume` has where an earlier run's journal says it had read to.
         self.defer_commit = False
-        self.resume: dict[tuple[str, str], tuple[int, int]] = {}  # (instance, ring) -> (epoch, cursor)
+        # (instance, ring) -> (epoch, cursor, read) (journal_format.Read)
+        self.resume: dict[tuple[str, str], tuple[int, int, int]] = {}
 
     def use_arena(self, arena: Any, destination: Destination, copier: Copier | None) -> None:
         """Rings opened from now on read their payloads where `destination` says (the delivery arena,
@@ -270,19 +278,47 @@ class RingPoller:
             elif ring.exited_at_cursor is not None:
                 self._written_after_exit(ring)
 
-    def uncommitted(self) -> list[tuple[str, str, int, int]]:
-        """(instance, ring, epoch, cursor) of every ring read further than its file's cursor says."""
-        return [(r.instance, r.reader.name, r.reader.epoch, r.reader.read_cursor) for r in self._order
-                if r.reader.uncommitted]
+    def floors(self, every: bool) -> dict[tuple[str, str, int], int]:
+        """(instance, ring, epoch) -> the cursor its file has, of the rings read since the last
+        `uncommitted` and of those whose file's cursor is behind what was read (a hold may have
+        gone), if any ring was read since (or `every`); else none."""
+        order = self._order
+        if not every and all(r.reader.read_cursor == r.reported for r in order):
+            return {}
+        return {(r.instance, r.reader.name, r.reader.epoch): r.reader.committed for r in order
+                if r.reader.uncommitted or r.reader.read_cursor != r.reported}
+
+    def uncommitted(self, floors: dict[tuple[str, str, int], int],
+                    holds: dict[tuple[str, str, int], int]) -> list[tuple[str, str, int, int, int]]:
+        """(instance, ring, epoch, cursor, read) (journal_format.Read) of the rings in `floors` whose
+        read or file cursor is to move: `cursor` is where `commit` moves the file's, the lowest record
+        whose data `holds` says is still held unfiled, else what was read. A hold more than
+        capacity / HOLD_SHARE behind what was read is given up: the writer keeps its room."""
+        out = []
+        for r in self._order:
+            reader = r.reader
+            key = (r.instance, reader.name, reader.epoch)
+            if key not in floors:
+                continue
+            read = reader.read_cursor
+            h = holds.get(key)
+            target = h if h is not None and read - h <= reader.capacity // HOLD_SHARE else read
+            if read == r.reported and target == reader.committed:
+                continue
+            r.reported = read
+            r.target = target
+            out.append((*key, target, read))
+        return out
 
     def commit(self) -> None:
-        """Every ring's file cursor to what was read (the daemon journaled it)."""
+        """Every ring's file cursor to where `uncommitted` said (the daemon journaled it)."""
         for r in self._order:
-            if r.reader.uncommitted:
+            if r.target is not None:
                 try:
-                    r.reader.commit()
+                    r.reader.commit(r.target)
                 except OSError:
                     pass  # a ring that went bad: its next poll finds out
+                r.target = None
 
     def close(self) -> None:
         for ring in list(self._rings.values()):
@@ -324,11 +360,18 @@ class RingPoller:
             return
         reader.defer_commit = self.defer_commit
         ring = self._rings[c.key] = OpenRing(reader, c.instance, c.dir_fd, checked=now)
-        epoch, cursor = self.resume.pop(c.key, (None, 0))
-        if epoch == reader.epoch and reader.skip_to(cursor):
-            log.info("ring %s: read on from %d, where the earlier run's journal says it had read to", path, cursor)
-        if reader.resumed:
-            self._facts.ring_resumed(c.instance, reader.name)
+        epoch, cursor, read = self.resume.pop(c.key, (None, 0, 0))
+        replay = 0
+        if epoch == reader.epoch:
+            if reader.skip_to(cursor):
+                log.info("ring %s: read on from %d, where the earlier run's journal says it had read to", path,
+                         cursor)
+            if reader.read_cursor < read <= reader.read_cursor + reader.capacity and not read % rf.ALIGN:
+                replay = read
+                log.info("ring %s: %d bytes the earlier run read are read again for the data it held unfiled",
+                         path, read - reader.read_cursor)
+        if reader.resumed or replay:
+            self._facts.ring_resumed(c.instance, reader.name, replay)
         self._watch_writer(ring, now)
         self._order = sorted(self._rings.values(),
                              key=lambda r: (r.reader.rank != rf.ENGINE_RANK, r.instance, r.reader.rank))

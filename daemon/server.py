@@ -405,17 +405,21 @@ class Daemon:
                 self._last_probe = now
                 hub.probe()
         if self.journal is not None:
-            self._journal_reads()  # nothing goes out, and no ring cursor moves, before the journal has it
+            self._journal_reads(tick)  # nothing goes out, and no ring cursor moves, before the journal has it
         busy |= hub.send_all()
         busy |= self.watch.pump(hub.send, now)
         return busy
 
-    def _journal_reads(self) -> None:
+    def _journal_reads(self, every: bool = True) -> None:
         """What was filed, then how far the rings were read, into the journal; then the rings' own
-        cursors move (a daemon killed before that reads those records again, and no more)."""
+        cursors move, never past a record whose data is held unfiled (a daemon killed before that
+        reads those records again, and no more). Where nothing was read, what is held is looked at
+        again only if `every` (a capture that ended without a read lets its rings' cursors go on)."""
         journal, rings = self.journal, self.rings
         assert journal is not None
-        journal.read(rings.uncommitted())
+        floors = rings.floors(every)
+        if floors:
+            journal.read(rings.uncommitted(floors, self.instances.holds(floors)))
         journal.flush()
         rings.commit()
 
@@ -513,7 +517,7 @@ class Daemon:
                      "s, filed in %.2f s; the rest of the arena given back in %.2f s)", len(held),
                      self.adopted["in_flight"], t1 - t0, time.process_time() - cpu0, sum(map(len, previous.blobs)) >> 10,
                      t_replay - t0, t_check - t_replay, t_filed - t_check, t1 - t_filed)
-        self.journal = Journal.start(arena, held, first_segment, self._stale_segments, endings)
+        self.journal = Journal.start(arena, held, first_segment, self._stale_segments, endings, self.rings.resume)
         self._stale_segments = []
         self.rings.defer_commit = not self.journal.failed
         self.instances.on_end_read = self._end_read

@@ -48,6 +48,7 @@ class StatusView:
                 info = ring.reader.info()
             except (RingBroken, OSError):
                 continue  # dropped at its next poll
+            read = max(ring.reader.read_cursor, info.read_cursor)
             dropped_records += info.stats["records_dropped"]
             dropped_bytes += info.stats["bytes_dropped"]
             rejected += ring.reader.rejected
@@ -56,10 +57,13 @@ class StatusView:
                 "path": ring.path, "instance": ring.instance, "name": ring.reader.name, "rank": info.rank,
                 "world_size": info.world_size, "writer_pid": info.writer_pid, "alive": ring.alive,
                 "writer_watch": "pidfd" if ring.pidfd is not None else "poll",
-                "epoch": info.epoch, "capacity": info.capacity, "pending_bytes": info.backlog_bytes,
+                "epoch": info.epoch, "capacity": info.capacity, "pending_bytes": info.write_cursor - read,
                 # How long the oldest unread byte has waited (an upper bound): the daemon's lag in time.
-                "pending_s": round(ring.lag.seconds(info.read_cursor, now), 3),
-                "read_cursor": info.read_cursor, "write_cursor": info.write_cursor, "corrupt": ring.reader.corrupt,
+                "pending_s": round(ring.lag.seconds(read, now), 3),
+                "read_cursor": read, "write_cursor": info.write_cursor, "corrupt": ring.reader.corrupt,
+                # Read, and kept from the writer: the file's cursor stays below records whose data the
+                # daemon holds unfiled (and below what its journal does not have yet).
+                "kept_bytes": read - info.read_cursor,
                 "rejected": ring.reader.rejected, "writer": dict(info.stats),
                 # Large records whose copy started while the one before was handled, and were used.
                 "read_ahead": ring.reader.read_aheads, "read_ahead_taken": ring.reader.read_aheads_taken,

@@ -123,4 +123,4 @@ def join(run: list[DataRecord], alloc: Callable[[int], Any] | None) -> DataRecor
             _GROUPS.clear()
         groups = _GROUPS[(n, k)] = [(i, slice(i * k, (i + 1) * k)) for i in range(n)]
     return DataRecord(first.step, first.rank, first.ring, first.epoch, first.entries, positions, token_ids, groups,
-                      sections, True, steps=run)
+                      sections, True, steps=run, cursor=first.cursor)

@@ -36,6 +36,9 @@ class StepGroup:
     parts: dict[int, dict[tuple, Slice]] = field(default_factory=dict)  # rank -> slice key -> slice
     wanted: dict[int, int] = field(default_factory=dict)  # rank -> rank_parts
     nbytes: int = 0
+    # (ring, epoch) -> where the earliest of its records there starts: the ring's cursor stays at or
+    # below it while the group is held, so a daemon killed meanwhile reads it again.
+    cursors: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def add(self, r: Slice) -> int:
         """Add a slice; returns the change in bytes held."""
@@ -48,7 +51,16 @@ class StepGroup:
         self.wanted[r.rank] = max(r.rank_parts, 1)
         delta = r.nbytes - (old.nbytes if old is not None else 0)
         self.nbytes += delta
+        if r.cursor >= 0:
+            key = (r.ring, r.epoch)
+            c = self.cursors.get(key)
+            if c is None or r.cursor < c:
+                self.cursors[key] = r.cursor
         return delta
+
+    def origin(self) -> tuple[tuple[tuple[str, int], int], ...]:
+        """((ring, epoch), cursor) of the earliest record of each ring it came from."""
+        return tuple(self.cursors.items())
 
     def complete(self) -> bool:
         done = sum(1 for rank, recs in self.parts.items() if len(recs) >= self.wanted[rank])

@@ -277,11 +277,12 @@ class RingReader:
         if not self.defer_commit:
             self.commit()
 
-    def commit(self) -> None:
-        """Move the ring file's read cursor to what was read: the writer may reuse what lies below.
-        With `defer_commit` the owner calls it once what it read is safe elsewhere (the daemon's
+    def commit(self, cursor: int | None = None) -> None:
+        """Move the ring file's read cursor to what was read (or to `cursor`, a record boundary between
+        the file's cursor and what was read): the writer may reuse what lies below. With
+        `defer_commit` the owner calls it once what it read is safe elsewhere (the daemon's
         journal), so a reader killed before that reads it again next time."""
-        r = self._r
+        r = self._r if cursor is None else max(min(cursor, self._r), self._committed)
         if r != self._committed:
             if self._writable:
                 os.pwrite(self._fd, r.to_bytes(8, "little"), rf.READ_CURSOR_OFFSET)
@@ -290,6 +291,11 @@ class RingReader:
     @property
     def uncommitted(self) -> bool:
         return self._r != self._committed
+
+    @property
+    def committed(self) -> int:
+        """The read cursor as the ring file has it."""
+        return self._committed
 
     def skip_to(self, cursor: int) -> bool:
         """Go on from `cursor`, a record boundary an earlier reader of this ring read to and accounted
@@ -434,6 +440,7 @@ class RingReader:
                 self._lose(r, w, f"bad record magic {bytes(magic)!r}")
                 r = w
                 break
+            n0 = len(out)
             try:
                 self._at_cursor = r
                 h = ring_schema.parse_header(win, o)
@@ -451,6 +458,8 @@ class RingReader:
                                                          table_cache=self._table_cache, destination=self.destination))
             except ring_schema.Rejected as e:
                 self._reject(r, e, len(out))
+            for rec in out[n0:]:
+                rec.cursor = r  # where it starts: a daemon may keep the ring's cursor there (RingPoller.commit)
             r += total
             if after_large and self.copier is not None:
                 break  # one large record a poll: read_ahead copies the next while the caller handles it

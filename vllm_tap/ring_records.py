@@ -99,11 +99,13 @@ class ControlRecord:
     rank: int = 0
     num_prompt_tokens: int = 0
     source: str = "client"
-    # Where it came from: (ring name, epoch) lets the reassembler tell writers apart.
+    # Where it came from: (ring name, epoch) lets the reassembler tell writers apart; `cursor` is
+    # where it starts in that ring (-1: not read from a ring of this host).
     ring: str = ""
     epoch: int = 0
     control: Any = None
     spec: Any = None
+    cursor: int = -1
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -145,6 +147,7 @@ class Slice:
     ring: str = ""
     epoch: int = 0
     whole: np.ndarray | None = None
+    cursor: int = -1  # where its record starts in the ring (-1: not read from a ring of this host)
 
     kind = RecordKind.DATA  # what it was read from
 
@@ -223,6 +226,7 @@ class DataRecord:
     sections: list[Section]
     whole: bool = False
     steps: "list[DataRecord] | None" = None
+    cursor: int = -1  # where it starts in its ring (joined: the first step's); -1: not read from a ring here
 
     kind = RecordKind.DATA
 
@@ -248,7 +252,7 @@ class DataRecord:
             slice_start=s.slice_start, slice_stop=s.slice_stop, full_dim=s.full_dim,
             num_prompt_tokens=e.num_prompt_tokens, start=e.start, tail=e.tail, source=e.source, positions=positions,
             token_ids=token_ids, data=s.rows_of(i, rows), ring=self.ring, epoch=self.epoch,
-            whole=s.wholes[i] if s.wholes is not None else None,
+            whole=s.wholes[i] if s.wholes is not None else None, cursor=self.cursor,
         ) for s in self.sections]
 
     def joined(self, other: "DataRecord") -> "DataRecord | None":
@@ -271,7 +275,8 @@ class DataRecord:
         if {s.tensor for s in self.sections} & {s.tensor for s in other.sections}:
             return None
         return DataRecord(self.step, self.rank, self.ring, self.epoch, self.entries, self.positions, self.token_ids,
-                          self.groups, self.sections + other.sections, self.whole and other.whole)
+                          self.groups, self.sections + other.sections, self.whole and other.whole,
+                          cursor=self.cursor)
 
     @property
     def wants_more(self) -> bool:

@@ -169,6 +169,30 @@ def test_a_deferred_reader_moves_the_file_cursor_only_when_it_commits(shm_dir):
     r1.close()
 
 
+def test_records_say_where_they_start_and_a_commit_may_stop_at_one_of_them(shm_dir):
+    path = ring_path(shm_dir, "i", 0)
+    w = RingWriter(path, 1 << 16)
+    r = RingReader(path)
+    r.defer_commit = True
+    starts = []
+    for k in range(4):
+        starts.append(read_info(path).write_cursor)
+        _write(w, "r", [k], 4)
+    recs = r.poll()
+    assert [x.cursor for x in recs] == starts and all(s.cursor == x.cursor for x in recs for s in x.slices(0))
+    r.commit(starts[2])  # records 2 and 3 stay readable: the next reader reads them again
+    assert read_info(path).read_cursor == starts[2] and r.uncommitted and r.committed == starts[2]
+    r.commit(starts[1])  # never back
+    assert read_info(path).read_cursor == starts[2]
+    r.commit(1 << 40)  # never past what was read
+    assert read_info(path).read_cursor == r.read_cursor and not r.uncommitted
+    r2 = RingReader(path)
+    assert r2.poll() == []
+    r.close()
+    r2.close()
+    w.close()
+
+
 def test_a_restarted_writer_is_a_new_epoch_and_the_old_mapping_still_drains(shm_dir):
     path = ring_path(shm_dir, "i", 0)
     w1 = RingWriter(path, 1 << 16)

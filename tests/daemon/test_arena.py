@@ -596,7 +596,9 @@ def test_daemon_restart_with_subscribers_attached(daemon_factory, shm_dir):
         if kind == "chunk":
             assert payload.tobytes() == exp[where].tobytes()
             got += where
-    assert got == [x for x in range(sc.end_position) if x != 10] and missing == [10]
+    # Position 10, the newest when the daemon was killed, was held back (async scheduling) and not
+    # filed: the ring's cursor stayed below it, and the new daemon read it again.
+    assert got == list(range(sc.end_position)) and missing == []
     assert d.status()["arena_messages"] > 0  # after the restart, still through the (new) arena
     eng.close()
 

@@ -15,7 +15,7 @@ from vllm_tap.daemon.events import (
     WRITER_GONE,
     Begin, End, Gap, Tokens,
 )
-from vllm_tap.daemon.reassembly import Reassembler
+from vllm_tap.daemon.reassembly import ENGINE_SOURCE as ENGINE, Reassembler
 from vllm_tap.ring_records import ControlRecord, DataRecord, Slice, TensorId
 from vllm_tap.ring_schema import BeginMeta, DropMeta, EndMeta, LiveMeta, ShedMeta, control_record, spec_field
 from vllm_tap.spec import CaptureSpec
@@ -836,3 +836,76 @@ def test_a_step_whose_other_record_a_previous_daemon_read_is_consumed_not_incomp
     r = plain()  # a capture this daemon saw begin: a step missing a record is `incomplete`
     ev = feed(r, begin(), data(0, [0, 1], tensor=hidden, parts=2), data(1, [2], parts=2), data(1, [2], tensor=hidden, parts=2))
     assert gaps(ev) == [([0, 1], INCOMPLETE)]
+
+
+# -- what a restarted daemon reads again (the rings' cursors stay below what is held unfiled) --
+
+
+def _at(rec, cursor: int):
+    rec.cursor = cursor  # where a ring reader read it from
+    return rec
+
+
+def _holds(r: Reassembler, floors: dict) -> dict:
+    out: dict = {}
+    r.holds(floors, out)
+    return out
+
+
+def test_what_is_held_unfiled_names_where_its_records_start_in_their_rings():
+    r = Reassembler()  # the daemon's defaults: the newest position is held back
+    r0, r1 = ("rank-00000.ring", 0), ("rank-00001.ring", 0)  # (ring, epoch)
+    floors = {r0: 0, r1: 0}
+    feed(r, begin())
+    feed(r, _at(data(0, [0, 1, 2, 3], expected=2, s=(0, 4)), 64))
+    assert _holds(r, floors) == {r0: 64}  # a step waiting for its other rank
+    ev = feed(r, _at(data(0, [0, 1, 2, 3], rank=1, expected=2, s=(4, 8)), 128))
+    assert delivered(ev) == [0, 1, 2, 3] and _holds(r, floors) == {}  # prompt positions are never held
+    feed(r, _at(data(1, [4], expected=2, s=(0, 4)), 192), _at(data(1, [4], rank=1, expected=2, s=(4, 8)), 256))
+    assert _holds(r, floors) == {r0: 192, r1: 256}  # the newest position, held back for a later one
+    ev = feed(r, _at(data(2, [5], expected=2, s=(0, 4)), 320), _at(data(2, [5], rank=1, expected=2, s=(4, 8)), 384))
+    assert delivered(ev) == [4] and _holds(r, floors) == {r0: 320, r1: 384}
+    assert _holds(r, {r0: 400, r1: 0}) == {r1: 384}  # a hold below a ring's file cursor was given up
+    assert _holds(r, {r1: 0}) == {r1: 384}  # a ring no longer read
+    ev = feed(r, end(6))
+    assert delivered(ev) == [5] and the_end(ev).complete and _holds(r, floors) == {}
+
+
+def test_a_whole_record_of_decode_steps_is_held_by_its_own_cursor():
+    """The direct way (a record of whole tensors, daemon/reassembly: _on_data) holds its span by the
+    record's cursor too, and a record never read from a ring here (cursor -1) holds nothing."""
+    from vllm_tap.ring_records import RequestRef, Section
+
+    def whole(step: int, pos: int, cursor: int) -> DataRecord:
+        x = vals("logits", [pos], 0, V)
+        return DataRecord(step, 0, "rank-00000.ring", 0, [RequestRef(RID, "", 4, 1, 1, -1, 0, "client")],
+                          np.asarray([pos], np.int32), np.asarray([pos + 1000], np.int32), [(0, None)],
+                          [Section.whole_of(LOGITS, rf.DType.FLOAT32, x)], True, cursor=cursor)
+
+    r = Reassembler()
+    floors = {("rank-00000.ring", 0): 0}
+    feed(r, begin(), data(0, [0, 1, 2, 3]))
+    ev = feed(r, whole(1, 4, 512))
+    assert delivered(ev) == [] and r.stats["direct"] == 1
+    assert _holds(r, floors) == {("rank-00000.ring", 0): 512}
+    ev = feed(r, whole(2, 5, -1))
+    assert delivered(ev) == [4] and _holds(r, floors) == {}
+
+
+def test_records_read_again_after_a_restart_count_only_for_captures_in_flight():
+    """Below where the earlier daemon had read (resumed_ring's replay_until) records of captures it
+    finished (not in flight here) are skipped, BEGINs too; a capture in flight takes what it lacks
+    and skips what it has; past that point every record counts as ever."""
+    r = plain()
+    r.resumed_ring("rank-00000.ring", replay_until=1000)
+    r.resumed_ring(ENGINE, replay_until=1000)
+    feed(r, _at(begin("live"), 2000), _at(data(0, [0, 1, 2, 3], rid="live"), 2064))
+    ev = feed(r, _at(begin("done"), 10), _at(data(0, [0, 1, 2, 3], rid="done"), 500), _at(end(4, rid="done"), 20))
+    assert ev == [] and r.stats["replayed_records"] == 3 and r.in_flight() == 1
+    ev = feed(r, _at(data(0, [0, 1, 2, 3], rid="live"), 600), _at(data(1, [4], rid="live"), 700))
+    assert delivered(ev) == [4] and r.stats["duplicate_records"] == 1  # what it has, then what it lacked
+    ev = feed(r, _at(data(0, [0, 1, 2, 3], rid="new"), 1000))
+    assert [type(e).__name__ for e in ev] == ["Begin", "Tokens"] and delivered(ev) == [0, 1, 2, 3]
+    r.ring_closed("rank-00000.ring", 0.0)  # a new file under the name starts counting from its start
+    ev = feed(r, _at(data(0, [0, 1, 2, 3], rid="other"), 10))
+    assert delivered(ev) == [0, 1, 2, 3]

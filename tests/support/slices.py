@@ -12,4 +12,5 @@ def record_of(s: Slice) -> DataRecord:
     entry = RequestRef(s.request_id, s.tap_key, s.num_prompt_tokens, s.expected_ranks, s.rank_parts, s.start, s.tail,
                        s.source)
     sec = Section(s.tensor, s.dtype, s.slice_start, s.slice_stop, s.full_dim, None, [s.data], [s.whole])
-    return DataRecord(s.step, s.rank, s.ring, s.epoch, [entry], s.positions, s.token_ids, [(0, None)], [sec])
+    return DataRecord(s.step, s.rank, s.ring, s.epoch, [entry], s.positions, s.token_ids, [(0, None)], [sec],
+                      cursor=s.cursor)
