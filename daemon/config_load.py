@@ -94,7 +94,8 @@ DOCS: dict[str, str] = {
     "federation_key": "This daemon's CURVE secret certificate for federation (`vllm-tap keygen DIR --name NAME`): "
     "a peer's identity towards its home, the home's server key towards its peers.",
     "home": "On a host of a multi-host engine that is not its home: `tcp://HOST:PORT` of the home daemon's "
-    "`federation_endpoint`. This daemon then streams its rings' records there (it serves no captures itself).",
+    "`federation_endpoint`. This daemon then streams its rings' records there, and serves the captures its own "
+    "rings' records suffice for (the home sends it the engine's BEGIN, END and LIVE records).",
     "home_key": "The home daemon's public certificate (its `federation_key`'s `.key` file); needed with `home`.",
     "federation_endpoint": "On the engine's home host: `tcp://HOST:PORT` where peer daemons connect (CURVE only); "
     "empty = none.",

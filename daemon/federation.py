@@ -1,5 +1,6 @@
 """Federation: a peer daemon streams its rings' raw records to the engine's home daemon, which
-reassembles them as more ranks. The protocol of both sides as pure state machines (no sockets, no
+reassembles them as more ranks; the home sends its peers its engine rings' control records, with
+which a peer delivers captures its own ranks' records suffice for. The protocol of both sides as pure state machines (no sockets, no
 clock: messages and `now` in, messages and facts out); daemon/peer_link.py drives them over ZeroMQ,
 vllm_tap/federation_format.py is what crosses the wire.
 
@@ -12,6 +13,8 @@ The peer's side (one session per connection it makes; it dials the home, nothing
     GREETING    Refused                                       REFUSED      -
     GREETING    nothing heard for SILENCE_S, or disconnected  IDLE         -
     STREAMING   Credit                                        STREAMING    -
+    STREAMING   Controls of this session                      STREAMING    - (the peer's reassembly
+                                                                           takes its records)
     STREAMING   a ring's records, within credit               STREAMING    RecordBatch
     STREAMING   a ring opened / gone                          STREAMING    RingOpened / RingGone
     STREAMING   nothing sent for BEAT_INTERVAL_S              STREAMING    Beat
@@ -30,6 +33,8 @@ The home's side, per peer session:
     STREAMING   RecordBatch, next seq, within credit          STREAMING    Records, RingRead; Credit
     STREAMING   RecordBatch out of seq or beyond credit       ENDED        every ring RingLost
     STREAMING   RingGone                                      STREAMING    RingLost
+    STREAMING   the home read control records from an engine  STREAMING    Controls
+                ring
     STREAMING   its connection closed, or nothing heard for   ENDED        every ring RingLost
                 SILENCE_S                                                  (`peer gone`)
 
@@ -66,6 +71,7 @@ class PeerEvent(enum.Enum):
     REFUSED = "refused"
     SILENCE = "silence"
     CREDIT = "credit"
+    CONTROLS = "controls"
 
 
 PEER_TRANSITIONS: dict[tuple[PeerState, PeerEvent], PeerState] = {
@@ -75,6 +81,7 @@ PEER_TRANSITIONS: dict[tuple[PeerState, PeerEvent], PeerState] = {
     (PeerState.GREETING, PeerEvent.REFUSED): PeerState.REFUSED,
     (PeerState.GREETING, PeerEvent.SILENCE): PeerState.IDLE,
     (PeerState.STREAMING, PeerEvent.CREDIT): PeerState.STREAMING,
+    (PeerState.STREAMING, PeerEvent.CONTROLS): PeerState.STREAMING,
     (PeerState.STREAMING, PeerEvent.SILENCE): PeerState.IDLE,
 }
 
@@ -148,6 +155,15 @@ class PeerProtocol:
             self._heard = now
             self.credit += max(msg.grant, 0)
         return []  # another session's, or out of turn: stale, ignored
+
+    def controls(self, msg: ff.Controls, now: float) -> bool:
+        """The home's control records: True if they are this session's (the driver feeds them to
+        the peer's own reassembly), False if stale."""
+        if msg.session != self.session or not self.streaming:
+            return False
+        self._go(PeerEvent.CONTROLS)
+        self._heard = now
+        return True
 
     def lost(self) -> None:
         """The connection cannot take a message (the driver's send failed): as good as silence."""
@@ -259,6 +275,7 @@ class Reply:
 
     to: bytes
     msg: ff.Message
+    records: list[bytes] = field(default_factory=list)  # Controls: its record frames
 
 
 Fact = Union[RingAdded, Records, RingRead, RingLost, Reply]
@@ -271,6 +288,7 @@ class HomeState(enum.Enum):
 
 class HomeEvent(enum.Enum):
     RING = "ring opened or gone"
+    CONTROLS = "control records to send"
     BATCH = "a batch in sequence and within credit"
     BAD_BATCH = "a batch out of sequence or beyond credit"
     SILENCE = "silence"
@@ -280,6 +298,7 @@ class HomeEvent(enum.Enum):
 
 HOME_TRANSITIONS: dict[tuple[HomeState, HomeEvent], HomeState] = {
     (HomeState.STREAMING, HomeEvent.RING): HomeState.STREAMING,
+    (HomeState.STREAMING, HomeEvent.CONTROLS): HomeState.STREAMING,
     (HomeState.STREAMING, HomeEvent.BATCH): HomeState.STREAMING,
     (HomeState.STREAMING, HomeEvent.BAD_BATCH): HomeState.ENDED,
     (HomeState.STREAMING, HomeEvent.SILENCE): HomeState.ENDED,
@@ -376,6 +395,17 @@ class HomeProtocol:
             out.append(RingLost(ring.instance, s.ring_name(msg.ring_id), msg.reason, msg.closed))
             if msg.closed:
                 del s.rings[msg.ring_id]
+        return out
+
+    def controls(self, instance: str, records: list[bytes]) -> list[Fact]:
+        """Control records the home read from `instance`'s engine ring, for every peer session."""
+        out: list[Fact] = []
+        if not records:
+            return out
+        sizes = [len(r) for r in records]
+        for to, s in self.sessions.items():
+            s.go(HomeEvent.CONTROLS)
+            out.append(Reply(to, ff.Controls(s.session, instance, sizes), records))
         return out
 
     def disconnected(self, to: bytes, now: float) -> list[Fact]:

@@ -16,13 +16,14 @@ from vllm_tap.ring_records import ControlRecord, DataRecord, Record
 
 from . import handover
 from .events import OVER_BUDGET, WRITER_GONE, Event
-from .reassembly import Reassembler
+from .reassembly import ENGINE_SOURCE, Reassembler
 from .ring_poller import LOG_FIRST
 from .store import Store
 
 log = logging.getLogger(__name__)
 
 Deliver = Callable[[list[Event], float], None]
+_TO_PEERS = frozenset({rf.RecordKind.BEGIN, rf.RecordKind.END, rf.RecordKind.LIVE})
 
 
 class Instances:
@@ -39,6 +40,8 @@ class Instances:
         self.reassembly_errors = 0
         # Told of every END read, after its events (the journal keeps those of captures still in flight).
         self.on_end_read: Callable[[str, ControlRecord], None] | None = None
+        # Told of every BEGIN, END and LIVE read from an engine ring here (a home daemon's peers get them).
+        self.on_control: Callable[[str, ControlRecord], None] | None = None
 
     def use_arena(self, arena: Any) -> None:
         """Arrays reassembly makes (a concatenation of slices) go into the delivery arena."""
@@ -68,8 +71,13 @@ class Instances:
                               path)
             return
         self._deliver(events, now)
-        if record.kind == rf.RecordKind.END and self.on_end_read is not None:
+        kind = record.kind
+        if kind == rf.RecordKind.DATA:
+            return
+        if kind == rf.RecordKind.END and self.on_end_read is not None:
             self.on_end_read(instance, record)  # type: ignore[arg-type]
+        if self.on_control is not None and kind in _TO_PEERS and record.ring == ENGINE_SOURCE:
+            self.on_control(instance, record)  # type: ignore[arg-type]
 
     def rejected(self, instance: str, request_ids: tuple[str, ...], why: str, now: float) -> None:
         self._deliver(self.reassembler(instance).reject(request_ids, why, now), now)

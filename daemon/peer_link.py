@@ -5,7 +5,11 @@ tcp:// with CURVE, on a ZeroMQ context of their own (their keys are not the subs
 PeerLink (a daemon with `home` set): the ring poller hands it every ring to read (`forward`); it
 reads raw records within its credit, sends them, and tells the home of rings opened and gone (it is
 the poller's RingFacts). Sends never block: a message the socket cannot take ends the session, and
-the link dials again with a new one; what the rings hold meanwhile waits in them.
+the link dials again with a new one; what the rings hold meanwhile waits in them. It also feeds
+what it reads, with the control records the home sends (Controls), to the peer daemon's own
+reassembly: the peer delivers the captures its host's ranks suffice for (a layer on one of its
+stages); the others lack the other hosts' ranks there (`incomplete`), and are whole at the home.
+Captures in flight there when the session ends end (HOME_GONE): their END would come through it.
 
 HomeLink (a daemon with `federation_endpoint` set): takes peers' sessions, decodes their records
 against the ring schema and feeds them to reassembly (daemon/instances.py) as rings of the instance.
@@ -25,11 +29,13 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from vllm_tap import federation_format as ff
 from vllm_tap import placement as placement_format
+from vllm_tap import ring_format as rf
 from vllm_tap import ring_schema
 
 from .curve import CurveError, _check_private, load_secret
 from .federation import (HomeProtocol, Outgoing, PeerProtocol, PeerState, Records, Reply, RingAdded,
                          RingLost, RingRead)
+from .reassembly import ENGINE_SOURCE
 from .ring_poller import READ_BUDGET_BYTES  # a peer reads each ring no more a round than the poller would
 
 log = logging.getLogger(__name__)
@@ -38,6 +44,9 @@ REDIAL_S = 0.2  # after a session ended, the next dial
 RECV_BUDGET = 256  # messages handled per round
 SNDHWM = 100_000  # messages; what is in flight is bounded by the credit in bytes
 LOG_FIRST = 20
+HOME_GONE = "home daemon gone"  # a peer's captures in flight when its session with the home ended
+MAX_CONTROLS = 4096  # control records in one Controls message (federation_format.MAX_RECORDS_PER_BATCH)
+_CONTROL_KINDS = frozenset({rf.RecordKind.BEGIN, rf.RecordKind.END, rf.RecordKind.LIVE})
 
 
 def load_public(path: str) -> bytes:
@@ -54,8 +63,14 @@ def load_public(path: str) -> bytes:
 class PeerLink:
     """A peer daemon's link to the engine's home daemon."""
 
-    def __init__(self, home: str, home_key: str, own_key: str, host: str = ""):
+    def __init__(self, home: str, home_key: str, own_key: str, host: str = "", instances: Any = None):
         self.home = home
+        self._instances = instances  # the peer daemon's own reassembly (daemon/instances.py), or None
+        self._caches: dict[tuple[str, str], ring_schema.TableCache] = {}
+        self._controlled: set[str] = set()  # instances the home sent control records of, this session
+        self._streaming = False
+        self.controls_in = 0
+        self.rejected = 0
         self._key_paths = (home_key, own_key)
         self._home_public = self._public = self._secret = b""
         self.proto = PeerProtocol(host or socket.gethostname())
@@ -90,9 +105,13 @@ class PeerLink:
                 break
             busy = True
             try:
-                msg, _ = ff.decode(frames)
+                msg, records = ff.decode(frames)
             except ff.FormatError as e:
                 log.error("home daemon %s: %s", self.home, e)
+                continue
+            if isinstance(msg, ff.Controls):
+                if proto.controls(msg, now):
+                    self._controls(msg.instance, records, now)
                 continue
             was = proto.state
             self._send(proto.received(msg, now))
@@ -110,9 +129,57 @@ class PeerLink:
                 proto.lost()  # what was on the way may be lost with the connection: a new session
                 self._dial_at = now + REDIAL_S
         self._send(proto.tick(now))
+        if self._streaming and not proto.streaming:
+            self._home_lost(now)
+        self._streaming = proto.streaming
         if proto.state in (PeerState.IDLE, PeerState.REFUSED) and now >= self._dial_at:
             self._dial(now)
         return busy
+
+    def _controls(self, instance: str, records: list[bytes], now: float) -> None:
+        """The home's engine-ring control records, into this daemon's reassembly."""
+        if self._instances is None:
+            return
+        self._controlled.add(instance)
+        for raw in records:
+            try:
+                recs = ring_schema.decode_record(raw, ring=ENGINE_SOURCE, epoch=0)
+            except ring_schema.Rejected as e:
+                self.rejected += 1
+                log.error("home daemon %s: a control record that does not fit the ring schema (%s)", self.home, e.why)
+                continue
+            for rec in recs:
+                if rec.kind not in _CONTROL_KINDS:
+                    self.rejected += 1
+                    continue
+                self.controls_in += 1
+                self._instances.record(instance, rec, now, f"home {self.home}")
+
+    def _home_lost(self, now: float) -> None:
+        """The session ended: ENDs of the captures in flight here would have come through it."""
+        if self._instances is None:
+            return
+        for instance in self._controlled:
+            self._instances.writer_gone(instance, ENGINE_SOURCE, now, HOME_GONE)
+        self._controlled.clear()
+
+    def _local(self, ring: Any, recs: list[bytes], now: float) -> None:
+        """What was read of `ring` and sent, also into this daemon's reassembly."""
+        reader = ring.reader
+        inst = self._instances
+        if recs:
+            cache = self._caches.setdefault(ring.key, ring_schema.TableCache())
+            for raw in recs:
+                try:
+                    decoded = ring_schema.decode_record(raw, ring=reader.name, epoch=reader.epoch, table_cache=cache)
+                except ring_schema.Rejected as e:
+                    self.rejected += 1
+                    if e.request_ids:
+                        inst.rejected(ring.instance, e.request_ids, e.why, now)
+                    continue
+                for rec in decoded:
+                    inst.record(ring.instance, rec, now, ring.path)
+        inst.ring_read(ring.instance, reader.name, reader.read_cursor, reader.written, now)
 
     def _dial(self, now: float) -> None:
         if self._sock is not None:
@@ -174,36 +241,44 @@ class PeerLink:
             # Its cursors go with every batch, and at least every beat: the home's Barriers wait on them.
             self._reported[ring_id] = now
             self._send(self.proto.records(ring_id, recs, reader.read_cursor, reader.written, now))
+        if self._instances is not None:
+            self._local(ring, recs, now)
         return len(recs)
 
     def ring_resumed(self, instance: str, ring: str, replay_until: int = 0) -> None:
-        pass
+        if self._instances is not None:
+            self._instances.ring_resumed(instance, ring)
 
     def record(self, instance: str, record: Any, now: float, path: str) -> None:
-        pass  # a peer forwards raw records (forward): none are decoded here
+        pass  # a peer reads raw records (forward) and decodes them there
 
     def rejected(self, instance: str, request_ids: tuple[str, ...], why: str, now: float) -> None:
         pass
 
     def ring_read(self, instance: str, ring: str, read: int, written: int, now: float) -> None:
-        pass
+        pass  # told with what forward read
 
     def writer_gone(self, instance: str, ring: str, now: float, reason: str) -> None:
         known = self._ids.get((instance, ring))
         if known is not None:
             self._send(self.proto.ring_gone(known[0], reason, False, now))
+        if self._instances is not None:
+            self._instances.writer_gone(instance, ring, now, reason)
 
     def ring_closed(self, instance: str, ring: str, now: float) -> None:
         known = self._ids.pop((instance, ring), None)
         if known is not None:
             self._reported.pop(known[0], None)
             self._send(self.proto.ring_gone(known[0], "ring closed", True, now))
+        self._caches.pop((instance, ring), None)
+        if self._instances is not None:
+            self._instances.ring_closed(instance, ring, now)
 
     def status(self) -> dict[str, Any]:
         p = self.proto
         return {"role": "peer", "home": self.home, "state": p.state.value, "sessions": self.sessions,
                 "credit_bytes": p.credit, "batches_sent": p.batches_sent, "bytes_sent": p.bytes_sent,
-                "refused": p.refused_reason}
+                "refused": p.refused_reason, "controls_in": self.controls_in, "records_rejected": self.rejected}
 
     def close(self) -> None:
         self._sock = self._monitor = None
@@ -231,6 +306,14 @@ class HomeLink:
         self.malformed = 0
         self._logs = LOG_FIRST
         self._beat_at = 0.0
+        self._controls: dict[str, list[bytes]] = {}  # instance -> its engine ring's control records, for the peers
+
+    def control(self, instance: str, record: Any) -> None:
+        """A BEGIN, END or LIVE the home read from `instance`'s engine ring: its peers get it (Controls)."""
+        if not self.proto.sessions:
+            return
+        self._controls.setdefault(instance, []).append(ring_schema.control_bytes(
+            record.control, record.request_id, tap_key=record.tap_key, rank=record.rank, step=record.step))
 
     def start(self) -> None:
         """Read the keys (CurveError: one line) and listen (zmq.ZMQError)."""
@@ -274,6 +357,11 @@ class HomeLink:
                 self._say("a peer daemon sent %s", e)
                 continue
             self._apply(self.proto.received(frames[0], msg, records, now), now)
+        if self._controls:
+            pending, self._controls = self._controls, {}
+            for instance, recs in pending.items():
+                for i in range(0, len(recs), MAX_CONTROLS):
+                    self._apply(self.proto.controls(instance, recs[i : i + MAX_CONTROLS]), now)
         if now >= self._beat_at:
             self._beat_at = now + ff.BEAT_INTERVAL_S
             self._apply(self.proto.tick(now), now)
@@ -284,7 +372,7 @@ class HomeLink:
         for f in facts:
             if type(f) is Reply:
                 try:
-                    self._sock.send_multipart([f.to, ff.encode(f.msg)], flags=zmq.NOBLOCK)
+                    self._sock.send_multipart([f.to, ff.encode(f.msg), *f.records], flags=zmq.NOBLOCK)
                 except zmq.ZMQError as e:
                     # Mandatory routing: a connection that closed (the peer daemon killed, crashed or
                     # stopped) is unreachable at the next beat; a full one ends by silence, if ever.
@@ -354,7 +442,7 @@ class HomeLink:
 def link_of(config: Any, instances: Any) -> "PeerLink | HomeLink | None":
     """The federation role the settings give this daemon (daemon/config.py): a peer, a home, or none."""
     if config.home:
-        return PeerLink(config.home, config.home_key, config.federation_key)
+        return PeerLink(config.home, config.home_key, config.federation_key, instances=instances)
     if config.federation_endpoint:
         return HomeLink(config.federation_endpoint, config.federation_key, config.peer_keys, instances)
     return None

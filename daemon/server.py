@@ -175,6 +175,8 @@ class Daemon:
         self.rings = RingPoller(config.shm_dir, self.access, self.link if isinstance(self.link, PeerLink) else
                                 self.instances)
         self.rings.forward = self.link.forward if isinstance(self.link, PeerLink) else None
+        if isinstance(self.link, HomeLink):
+            self.instances.on_control = self.link.control
         self.status = StatusView(self.endpoint, config.shm_dir, self.rings, self.instances, self.hub, self.store,
                                  self.watch)
         self.engines = EngineCheck()  # world sizes and settings of engines across hosts (daemon/engine_check.py)

@@ -5,11 +5,14 @@ daemon/peer_link.py the sockets).
 One ZeroMQ message is one or more frames:
 
     frame 0     a msgspec-msgpack message below, tagged by its type name
-    frame 1..n  RecordBatch only: one raw ring record each (ring_format's record layout, PADs left
-                out), exactly as the peer's ring holds it
+    frame 1..n  RecordBatch and Controls only: one raw ring record each (ring_format's record layout,
+                PADs left out), exactly as the sender's ring holds it
 
-Records travel undecoded: the home decodes every one against the ring schema (vllm_tap.ring_schema),
-as it does its own rings' records, because the bytes come from another machine.
+Records travel undecoded: the receiver decodes every one against the ring schema
+(vllm_tap.ring_schema), as it does its own rings' records, because the bytes come from another
+machine. The home sends its peers the control records of its engine rings (Controls: BEGIN, END,
+LIVE), so a peer daemon can deliver captures its own ranks' records suffice for (a layer on a stage
+of its host).
 
 Flow control is by credit in bytes of record frames: the home grants (Welcome, Credit), the peer
 sends batches only within what it was granted (a record larger than the whole window goes alone,
@@ -26,7 +29,7 @@ from typing import Union
 
 import msgspec
 
-FEDERATION_VERSION = 1
+FEDERATION_VERSION = 2
 MAX_HEADER_BYTES = 64 << 10  # frame 0
 MAX_RECORDS_PER_BATCH = 4096
 MAX_RECORD_BYTES = 1 << 40  # one record (a ring's largest); larger than the credit window, it goes alone
@@ -110,7 +113,16 @@ class Beat(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     session: int
 
 
-Message = Union[Hello, Welcome, Refused, Credit, RingOpened, RecordBatch, RingGone, Beat]
+class Controls(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """home -> peer: control records (BEGIN, END, LIVE; the frames after this one) the home read from
+    the engine ring of `instance`, in the order it read them."""
+
+    session: int
+    instance: str
+    sizes: list[int]  # each record frame's length
+
+
+Message = Union[Hello, Welcome, Refused, Credit, RingOpened, RecordBatch, RingGone, Beat, Controls]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -136,12 +148,12 @@ def decode(frames: list[bytes]) -> tuple[Message, list[bytes]]:
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise FormatError(f"not a federation message: {e}") from None
     records = frames[1:]
-    if isinstance(msg, RecordBatch):
+    if isinstance(msg, (RecordBatch, Controls)):
         if len(msg.sizes) > MAX_RECORDS_PER_BATCH or len(msg.sizes) != len(records):
             raise FormatError(f"a batch of {len(records)} record frames says {len(msg.sizes)}")
         if any(len(r) != n or not 0 < n <= MAX_RECORD_BYTES for r, n in zip(records, msg.sizes)):
             raise FormatError("a record frame whose length is not the one its batch says")
-        if msg.read < 0 or msg.written < 0:
+        if isinstance(msg, RecordBatch) and (msg.read < 0 or msg.written < 0):
             raise FormatError("negative ring cursors")
     elif records:
         raise FormatError(f"{type(msg).__name__} with {len(records)} frames after it")

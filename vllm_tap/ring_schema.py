@@ -558,9 +558,9 @@ def one_row_each(n: int) -> list[tuple[int, Any]]:
 # -- building records in memory (tests, tools): the same decoder, so the same checks --
 
 
-def control_record(meta: ControlMeta, request_id: str, *, tap_key: str = "", rank: int = rf.ENGINE_RANK,
-                   ring: str = "engine" + rf.RING_SUFFIX, epoch: int = 0, step: int = 0) -> ControlRecord:
-    """A control record as the reader would return it for this meta (Rejected if it would reject it)."""
+def control_bytes(meta: ControlMeta, request_id: str, *, tap_key: str = "", rank: int = rf.ENGINE_RANK,
+                  step: int = 0) -> bytes:
+    """A control record as a ring holds it (ring_format's record layout)."""
     key = rf.control_key(request_id, tap_key)
     kind, mb = encode_control(meta)
     *_, payload_off = rf.body_layout(len(key), len(mb), 0)
@@ -570,6 +570,13 @@ def control_record(meta: ControlMeta, request_id: str, *, tap_key: str = "", ran
                           meta_len=len(mb), step=step)
     buf[rf.RECORD_HEADER_SIZE : rf.RECORD_HEADER_SIZE + len(key)] = key
     buf[rf.RECORD_HEADER_SIZE + len(key) : rf.RECORD_HEADER_SIZE + len(key) + len(mb)] = mb
-    (rec,) = decode_record(bytes(buf), ring=ring, epoch=epoch)
+    return bytes(buf)
+
+
+def control_record(meta: ControlMeta, request_id: str, *, tap_key: str = "", rank: int = rf.ENGINE_RANK,
+                   ring: str = "engine" + rf.RING_SUFFIX, epoch: int = 0, step: int = 0) -> ControlRecord:
+    """A control record as the reader would return it for this meta (Rejected if it would reject it)."""
+    raw = control_bytes(meta, request_id, tap_key=tap_key, rank=rank, step=step)
+    (rec,) = decode_record(raw, ring=ring, epoch=epoch)
     assert isinstance(rec, ControlRecord)
     return rec

@@ -314,3 +314,41 @@ def test_a_record_larger_than_the_whole_credit_goes_alone_once_nothing_is_in_fli
     assert raw.poll_raw(len(rank1[0]) - 1) == []
     got = raw.poll_raw(len(rank1[0]) - 1, first_max=1 << 40)  # the first record goes whatever its size
     assert got == rank1[:1]
+
+
+def test_the_home_sends_its_engine_control_records_and_a_peer_delivers_what_its_own_ranks_suffice_for(tmp_path):
+    """Controls: the home's engine-ring records to every peer session, through the wire format; the
+    peer's own reassembly, given them and its ring's records, delivers captures of the logits (its
+    stage's) whole, with the engine's values. Another session's Controls are stale."""
+    sc = Scenario(n_requests=2, prompt_len=6, gen_len=3, tp=1, pp=2, layers=(), chunk=3)
+    eng = SyntheticEngine(sc, str(tmp_path))
+    eng.run()
+    assert eng.flush() and eng.dropped == 0
+    raws = {}
+    for rank in (rf.ENGINE_RANK, PEER_RANK):
+        reader = RingReader(ring_path(str(tmp_path), sc.instance, rank))
+        raws[rank] = reader.poll_raw(1 << 30)
+        reader.close()
+    eng.close()
+    home, peer = HomeProtocol(), PeerProtocol("peer-host")
+    [welcome] = home.received(TO, *wire(peer.connect(7, 0.0)), 0.0)
+    peer.received(welcome.msg, 0.0)
+    [reply] = home.controls(sc.instance, raws[rf.ENGINE_RANK])
+    msg, frames = ff.decode([ff.encode(reply.msg), *reply.records])
+    assert isinstance(msg, ff.Controls) and msg.instance == sc.instance and frames == raws[rf.ENGINE_RANK]
+    assert peer.controls(msg, 0.1) and peer.state is PeerState.STREAMING
+    assert not peer.controls(ff.Controls(8, sc.instance, []), 0.1)  # another session's
+    own = Reassembler(sc.instance)
+    events: list = []
+    for ring, records in ((ENGINE_SOURCE, frames), ("rank-00001.ring", raws[PEER_RANK])):
+        for raw in records:
+            for rec in ring_schema.decode_record(raw, ring=ring):
+                events += own.feed(rec, 0.2)
+    for i in range(sc.n_requests):
+        rid = sc.request_id(i)
+        [end] = [e for e in events if isinstance(e, End) and e.request_id == rid]
+        assert end.complete and end.reason == "length"
+        toks = [e for e in events if isinstance(e, Tokens) and e.request_id == rid]
+        assert np.concatenate([t.tensors["logits"] for t in toks]).tobytes() == expected(sc, i)["logits"].tobytes()
+    with pytest.raises(ff.FormatError):
+        ff.decode([ff.encode(ff.Controls(7, sc.instance, [64])), b"x" * 63])

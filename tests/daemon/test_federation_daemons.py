@@ -24,6 +24,7 @@ from vllm_tap import placement
 from vllm_tap import ring_format as rf
 from vllm_tap.client.watch import WatchedCapture
 from vllm_tap.daemon.federation import PEER_GONE
+from vllm_tap.daemon.peer_link import HOME_GONE
 from vllm_tap.ring_files import ring_path
 from vllm_tap.ring_writer import RingWriter
 from waiting import wait_until
@@ -225,6 +226,10 @@ def test_the_peer_dials_a_restarted_home_again_and_captures_go_on_across_the_res
         home.start()
         wait_until(lambda: len(peers_of(home)) == 1, 15, "the peer's new session at the restarted home")
         assert peer.status()["federation"]["sessions"] > first  # dialled again, its ring announced again
+        # The peer's own captures in flight (of a layer on the home host too: `incomplete` there) end
+        # with the session that would have brought their END.
+        cap = peer.client().fetch(sc.request_id(0), timeout=20)
+        assert cap.finish_reason == HOME_GONE and not cap.complete, cap.finish_reason
         for d, says in ((home, "home of 1 peer daemons"), (peer, "peer of the home daemon tcp://127.0.0.1:")):
             r = subprocess.run([sys.executable, "-m", "vllm_tap.cli", "status", "--endpoint", d.endpoint],
                                capture_output=True, text=True, timeout=30)
@@ -292,3 +297,61 @@ def test_a_recorder_of_the_home_daemon_records_two_host_captures_whole(hosts, tm
         for col, name in (("logits", "logits"), (df.hook_name(0), "hidden.0"), (df.hook_name(1), "hidden.1")):
             got = np.stack(part.column(col).to_numpy(zero_copy_only=False))
             assert got.tobytes() == want[name].tobytes(), (sc.request_id(i), col)
+
+
+def test_a_peer_daemon_delivers_and_records_the_captures_its_own_ranks_suffice_for(hosts, tmp_path):
+    """The last stage runs on the peer host, and a capture of the logits alone needs only its ranks:
+    the peer daemon, which the home sends its engine ring's BEGIN, END and LIVE records, delivers it
+    whole too, through fetch, watch and `vllm-tap record` on the peer host, as the home does."""
+    import numpy as np
+
+    from vllm_tap.client.datasets import open_dataset
+
+    home, start_peer, peer_shm = hosts
+    peer = start_peer()
+    wait_until(lambda: len(peers_of(home)) == 1, 15, "the peer daemon's session at the home")
+    sc = Scenario(n_requests=3, prompt_len=6, gen_len=4, tp=1, pp=2, layers=(), chunk=3, prefix="local",
+                  instance="local")
+    assert plan(sc)[0] == [] and plan(sc)[PEER_RANK]  # only the peer host's rank writes
+    eng = two_host_engine(sc, home.shm_dir, peer_shm)
+    dest = str(tmp_path / "peer-ds")
+    log_path = str(tmp_path / "record.log")
+    rec = subprocess.Popen([sys.executable, "-m", "vllm_tap.cli", "record", dest, "--endpoint", peer.endpoint,
+                            "--writer", "peer-host", "--quiet", "--max-captures", str(sc.n_requests)],
+                           stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: peer.status()["watchers"] or rec.poll() is not None, 30, "the recorder's watch")
+        eng.run()
+        assert eng.flush() and eng.dropped == 0
+        for d in (peer, home):
+            client = d.client()
+            for i in range(sc.n_requests):
+                cap = client.fetch(sc.request_id(i), timeout=20)
+                assert cap.complete and not cap.missing_positions, (d.endpoint, cap.missing_positions)
+                assert_capture(sc, i, capture_arrays(cap))
+        watched = {}
+        for item in peer.client().watch(since=0, instance=sc.instance):
+            if isinstance(item, WatchedCapture):
+                assert not item.gaps
+                watched[item.request_id] = item
+            if len(watched) == sc.n_requests:
+                break
+        assert sorted(watched) == sorted(sc.request_id(i) for i in range(sc.n_requests))
+        assert rec.wait(120) == 0, open(log_path).read()[-2000:]
+        st = peer.status()["federation"]
+        assert st["controls_in"] >= 2 * sc.n_requests and st["records_rejected"] == 0, st
+    finally:
+        eng.close()
+        if rec.poll() is None:
+            rec.kill()
+    ds = open_dataset(dest)
+    assert not list(ds.gaps)
+    t = ds.to_pyarrow().to_table(columns=["request_id", "position", "logits"])
+    rid = np.array(t.column("request_id").to_pylist())
+    pos = t.column("position").to_numpy()
+    for i in range(sc.n_requests):
+        sel = np.nonzero(rid == sc.request_id(i))[0]
+        order = sel[np.argsort(pos[sel])]
+        assert pos[order].tolist() == list(range(sc.end_position))
+        got = np.stack(t.column("logits").to_numpy(zero_copy_only=False)[order])
+        assert got.tobytes() == expected(sc, i)["logits"].tobytes(), sc.request_id(i)
