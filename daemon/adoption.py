@@ -228,8 +228,11 @@ def _capture(seq: int, cl: CaptureLog, arena: Arena, now: float) -> Adopted:
     if b.n < 1 or b.num_prompt_tokens < 0 or (b.start_position is not None and not 0 <= b.start_position < MAX_POSITION):
         raise Unfit("its begin is out of bounds")
     _check_spec(b.spec, "its spec")
+    origin = b.origin
+    if origin is not None and (len(origin[0]) > jf.MAX_NAME_CHARS or origin[1] < 0 or origin[2] < 0):
+        raise Unfit("its BEGIN record's place is out of bounds")
     begin = Begin(b.instance, b.request_id, b.tap_key, b.num_prompt_tokens, b.prompt_token_ids, b.n, b.model, b.spec,
-                  b.start_position, b.lazy, False, now, b.source)
+                  b.start_position, b.lazy, False, now, b.source, origin)
     history: list[Event] = [begin]
     at: int | None = None
     for item in cl.items:

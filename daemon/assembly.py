@@ -48,6 +48,7 @@ class Assembly:
     tally: Tally
     source: str = "client"
     begin: Any = None  # ring_schema.BeginMeta, once a BEGIN was seen
+    begin_at: tuple[str, int, int] | None = None  # (ring, epoch, cursor) of that BEGIN record (events.Begin.origin)
     end: Any = None  # ring_schema.EndMeta, once the END was seen
     spec: CaptureSpec | None = None
     # Which positions are expected
@@ -118,6 +119,8 @@ class Assembly:
         """What a BEGIN record says (its meta, its spec)."""
         info = r.control
         self.begin = info
+        if r.cursor >= 0:
+            self.begin_at = (r.ring, r.epoch, r.cursor)
         if info is not None and info.num_prompt_tokens:
             self.num_prompt_tokens = info.num_prompt_tokens
         if info is not None and info.async_scheduling is False:

@@ -56,6 +56,9 @@ class Begin:
     update: bool  # a late BEGIN completing the metadata of a lazily made request
     at: float
     source: str = "client"  # "client" (the request opted in) or "policy" (the server's capture policy)
+    # (ring, epoch, cursor) of the BEGIN record it was made from, None when none was read here: a
+    # later daemon that reads that record again (its journal adopted) knows it is not a new capture
+    origin: tuple[str, int, int] | None = None
 
     @property
     def key(self) -> tuple[str, str]:

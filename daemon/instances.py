@@ -169,6 +169,10 @@ class Instances:
         that run had read for it): reassembly goes on with it."""
         self._deliver(self.reassembler(entry.instance).continue_filed(entry.begin, entry.history, now, end), now)
 
+    def finished_before(self, begin: Any) -> None:
+        """A capture an earlier daemon run finished, adopted from its journal (its events.Begin)."""
+        self.reassembler(begin.instance).finished_before(begin.request_id, begin.origin)
+
     def take_handover(self, state_dir: str, now: float,
                       taken: "dict[str, list[handover.InFlight]] | None" = None) -> None:
         if taken is None:

@@ -54,7 +54,7 @@ RELOCATE_PER_FLUSH = 4 << 20  # bytes of frames written again per flush, at most
 def begun(ev: Begin, seq: int, reset: bool = False) -> jf.Began:
     return jf.Began(seq, ev.instance, ev.request_id, ev.tap_key, ev.num_prompt_tokens,
                     list(ev.prompt_token_ids) if ev.prompt_token_ids is not None else None, ev.n, ev.model,
-                    ev.spec, ev.start_position, ev.lazy, ev.source, time.time(), reset)
+                    ev.spec, ev.start_position, ev.lazy, ev.source, time.time(), reset, ev.origin)
 
 
 def ended(ev: End, seq: int) -> jf.Ended:

@@ -36,7 +36,10 @@ or from the journal's where that is further on (the frames were written, the cur
 it reads again below the Read's `read` (how far the killed daemon had read) counts only for the
 captures it continues, whose filed positions it skips: the held data is filed once, nothing twice.
 An END read for a capture still waiting for its data is written as it is read (Ending): its
-successor ends the capture with it instead of as `end lost`.
+successor ends the capture with it instead of as `end lost`. A Began says where the capture's BEGIN
+record lies in its engine ring (ring, epoch, cursor): a successor that reads that record again
+(the last Read frames cut off by a kill part-way through a write) starts nothing with it, and
+records of captures the journal finished are late records to it.
 
 A capture is named by its sequence number (daemon/sequence.py: unique for the life of the state
 directory), so a capture filed again (a later Begin of the same request) is a new seq and the old
@@ -124,6 +127,8 @@ class Began(msgspec.Struct, tag="b", array_like=True, forbid_unknown_fields=True
     source: str
     wall: float  # time.time() when filed
     reset: bool = False  # the capture's whole history follows (a checkpoint, a relocation): forget what came before
+    # (ring, epoch, cursor) of its BEGIN record (events.Begin.origin), None: none was read
+    origin: tuple[str, int, int] | None = None
 
 
 class Data(msgspec.Struct, tag="d", array_like=True, forbid_unknown_fields=True):

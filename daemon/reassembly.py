@@ -116,6 +116,9 @@ class Reassembler:
         # ring -> the cursor below which an earlier run of the daemon read and accounted for its records
         # (its journal): read again, they matter only to captures still in flight here
         self._replay: dict[str, int] = {}
+        # (ring, epoch, cursor) of the BEGIN records of captures an earlier run finished (adopted from
+        # its journal): met again (a journal whose last Read frames were lost), they start nothing
+        self._begun: dict[tuple[str, int, int], str] = {}
         self._last_live_at: float | None = None
         self._read: dict[str, int] = {}  # worker ring -> its read cursor, as the daemon last reported it
         self._barriers: collections.deque[Barrier] = collections.deque()  # oldest first
@@ -188,6 +191,18 @@ class Reassembler:
                 for key, c in g.cursors.items():
                     if c < out.get(key, 1 << 62) and c >= floors.get(key, 1 << 62):
                         out[key] = c
+
+    def finished_before(self, request_id: str, origin: tuple[str, int, int] | None) -> None:
+        """A capture an earlier daemon run finished (adopted from its journal; `origin`: its BEGIN
+        record, events.Begin.origin): records of it read again start nothing, its BEGIN record
+        included. A later BEGIN of the same request id (another record) starts a new capture."""
+        self._finished[request_id] = None
+        while len(self._finished) > self._finished_memory:
+            self._finished.popitem(last=False)
+        if origin is not None:
+            self._begun[origin] = request_id
+            while len(self._begun) > self._finished_memory:
+                del self._begun[next(iter(self._begun))]
 
     def _replayed(self, r: ControlRecord | Slice) -> bool:
         """A record an earlier daemon run read and accounted for (resumed_ring), met again."""
@@ -510,13 +525,16 @@ class Reassembler:
             self.instance, a.request_id, a.tap_key, a.num_prompt_tokens,
             list(prompt) if prompt is not None else None, b.n if b is not None else 1, b.model if b is not None else "",
             a.spec.to_meta() if a.spec else None, a.start if a.start is not None else a.frontier,
-            a.lazy, update, now, a.source,
+            a.lazy, update, now, a.source, a.begin_at,
         )
 
     def _on_begin(self, r: ControlRecord, now: float, out: list[Event]) -> None:
         a = self._requests.get(r.request_id)
         if a is None:
             if self._replay and self._replayed(r):
+                return
+            if self._begun and self._begun.get((r.ring, r.epoch, r.cursor)) == r.request_id:
+                self.stats["replayed_records"] += 1  # the BEGIN of a capture an earlier run finished
                 return
             self._new(r, now, out, lazy=False)
         elif a.begin is None:

@@ -507,6 +507,8 @@ class Daemon:
                         endings[c.seq] = c.end_read
                     self.instances.continue_filed(entry, now, _end_record(begin, c.end_read))
                     self.adopted["in_flight"] += 1
+                else:
+                    self.instances.finished_before(begin)
             self.adopted["captures"] = len(held)
             first_segment = max((jf.parse_name(n) or (0, 0))[1] for n in previous.names) + 1 if previous.names else 1
             self._stale_segments += previous.names

@@ -210,6 +210,61 @@ def test_records_a_killed_daemon_journaled_are_not_read_twice(daemon_factory, sh
         eng.close()
 
 
+def _without_read_frames(arena_dir: str) -> None:
+    """Every journal segment without its Read frames (what a write cut part-way loses last)."""
+    for name in os.listdir(arena_dir):
+        if not name.startswith(jf.JOURNAL_PREFIX):
+            continue
+        path = os.path.join(arena_dir, name)
+        with open(path, "rb") as f:
+            blob = f.read()
+        kept, at = bytearray(), 0
+        while at < len(blob):
+            length, _ = jf.FRAME.unpack_from(blob, at)
+            end = at + jf.FRAME.size + length
+            if type(next(jf.frames(blob[at:end]))) is not jf.Read:
+                kept += blob[at:end]
+            at = end
+        assert len(kept) < len(blob)
+        with open(path, "r+b") as f:
+            f.write(kept)
+            f.truncate()
+
+
+def test_records_read_again_past_the_journals_cursors_file_nothing_twice(daemon_factory, shm_dir):
+    """The journal lost its Read frames (a kill part-way through a write loses them first; here all
+    of them) and the rings' cursors are put back to the start: the next daemon reads every record
+    again, and files nothing twice. The journal has where each capture's BEGIN record lies in the
+    engine ring, so that record starts nothing, nor do the data and ENDs of the captures it finished:
+    the same 4 captures under the same numbers, bit for bit, none started. (Before: each capture
+    was filed a second time.)"""
+    d, sc, eng, before = _served(daemon_factory, shm_dir, 4)
+    try:
+        c = d.client()
+        seqs = _watch_seqs(c, 0, 4)
+        _settled(d)
+        d.kill()
+        _without_read_frames(shm_dir.rstrip("/") + ".arena")
+        for name in os.listdir(os.path.join(shm_dir, sc.instance)):
+            with open(os.path.join(shm_dir, sc.instance, name), "r+b") as f:
+                f.seek(rf.READ_CURSOR_OFFSET)
+                f.write(bytes(8))
+        d.start()
+        _settled(d)
+        c = d.client()
+        after = _fetch_all(c, sc, range(4))
+        for i in range(4):
+            _same(before[sc.request_id(i)], after[sc.request_id(i)])
+        st = d.status()
+        # The 4 BEGIN records met again; the data and ENDs of finished captures, as late records.
+        assert st["reassembly"]["requests_started"] == 0 and st["reassembly"]["replayed_records"] == 4, \
+            st["reassembly"]
+        assert st["reassembly"]["late_records"] > 0 and st["retained_requests"] == 4
+        assert _watch_seqs(c, 0, 4) == seqs
+    finally:
+        eng.close()
+
+
 def test_a_sigterm_with_nothing_retained_leaves_no_arena_behind(daemon_factory, shm_dir):
     d = daemon_factory(end_grace_s=1.0)
     assert d.stop(timeout=30) == 0

@@ -909,3 +909,15 @@ def test_records_read_again_after_a_restart_count_only_for_captures_in_flight():
     r.ring_closed("rank-00000.ring", 0.0)  # a new file under the name starts counting from its start
     ev = feed(r, _at(data(0, [0, 1, 2, 3], rid="other"), 10))
     assert delivered(ev) == [0, 1, 2, 3]
+
+
+def test_a_capture_an_earlier_run_finished_is_not_started_again_by_its_records_but_a_new_begin_starts_one():
+    r = plain()
+    r.finished_before("done", (ENGINE, 0, 128))  # its BEGIN record: ring, epoch, cursor
+    ev = feed(r, _at(begin("done"), 128), data(0, [0, 1, 2, 3], rid="done"), end(4, rid="done"))
+    assert ev == [] and r.in_flight() == 0 and r.stats["replayed_records"] == 1 and r.stats["late_records"] == 1
+    b = _at(begin("done"), 128)
+    b.epoch = 4  # the same place in another file (the engine restarted): a new request of that id
+    ev = feed(r, b, data(0, [0, 1, 2, 3], rid="done"))
+    assert [type(e).__name__ for e in ev] == ["Begin", "Tokens"] and delivered(ev) == [0, 1, 2, 3]
+    assert ev[0].origin == (ENGINE, 4, 128)  # what the journal keeps of it
