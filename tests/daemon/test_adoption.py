@@ -57,6 +57,14 @@ def _settled(d) -> None:
     wait_until(quiet, 20, "a quiet journal", every=0.05)
 
 
+def _rewind(shm_dir: str, instance: str) -> None:
+    """Every ring's read cursor back at its start, as if no daemon had moved it."""
+    for name in os.listdir(os.path.join(shm_dir, instance)):
+        with open(os.path.join(shm_dir, instance, name), "r+b") as f:
+            f.seek(rf.READ_CURSOR_OFFSET)
+            f.write(bytes(8))
+
+
 def _watch_seqs(client, since: int, n: int) -> dict[str, int]:
     seqs: dict[str, int] = {}
     with client.watch(since=since) as w:
@@ -76,6 +84,31 @@ def _served(daemon_factory, shm_dir, n: int):
     eng = SyntheticEngine(sc, shm_dir)
     _finish(eng, list(range(n)))
     return d, sc, eng, _fetch_all(d.client(), sc, range(n))
+
+
+def _same_again(d, sc: Scenario, before: dict):
+    """Once the restarted daemon has read and journaled what the rings hold, its captures are
+    `before`, bit for bit: (a client, its status)."""
+    _settled(d)
+    c = d.client()
+    after = _fetch_all(c, sc, range(len(before)))
+    for rid, cap in before.items():
+        _same(cap, after[rid])
+    return c, d.status()
+
+
+def _served_then_killed(daemon_factory, shm_dir):
+    """_served with 4 captures, their watch numbers taken, everything journaled, then a SIGKILL:
+    (daemon, scenario, engine, the captures, their numbers)."""
+    d, sc, eng, before = _served(daemon_factory, shm_dir, 4)
+    try:
+        seqs = _watch_seqs(d.client(), 0, 4)
+        _settled(d)
+        d.kill()
+    except BaseException:
+        eng.close()
+        raise
+    return d, sc, eng, before, seqs
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
@@ -186,24 +219,12 @@ def test_records_a_killed_daemon_journaled_are_not_read_twice(daemon_factory, sh
     reads on from the journal's cursors. Nothing is filed twice: the same 4 captures under the same
     numbers, bit for bit. (Reading from the rings' cursors would file each capture again, a new
     capture of what it read twice.)"""
-    d, sc, eng, before = _served(daemon_factory, shm_dir, 4)
+    d, sc, eng, before, seqs = _served_then_killed(daemon_factory, shm_dir)
     try:
-        c = d.client()
-        seqs = _watch_seqs(c, 0, 4)
-        _settled(d)
-        d.kill()
-        for name in os.listdir(os.path.join(shm_dir, sc.instance)):
-            with open(os.path.join(shm_dir, sc.instance, name), "r+b") as f:
-                f.seek(rf.READ_CURSOR_OFFSET)
-                f.write(bytes(8))
+        _rewind(shm_dir, sc.instance)
         d.start()
         assert "where the earlier run's journal says it had read to" in d.log()
-        _settled(d)
-        c = d.client()
-        after = _fetch_all(c, sc, range(4))
-        for i in range(4):
-            _same(before[sc.request_id(i)], after[sc.request_id(i)])
-        st = d.status()
+        c, st = _same_again(d, sc, before)
         assert st["retained_requests"] == 4 and st["requests_in_flight"] == 0, st["retained_requests"]
         assert _watch_seqs(c, 0, 4) == seqs
     finally:
@@ -238,24 +259,12 @@ def test_records_read_again_past_the_journals_cursors_file_nothing_twice(daemon_
     engine ring, so that record starts nothing, nor do the data and ENDs of the captures it finished:
     the same 4 captures under the same numbers, bit for bit, none started. (Before: each capture
     was filed a second time.)"""
-    d, sc, eng, before = _served(daemon_factory, shm_dir, 4)
+    d, sc, eng, before, seqs = _served_then_killed(daemon_factory, shm_dir)
     try:
-        c = d.client()
-        seqs = _watch_seqs(c, 0, 4)
-        _settled(d)
-        d.kill()
         _without_read_frames(shm_dir.rstrip("/") + ".arena")
-        for name in os.listdir(os.path.join(shm_dir, sc.instance)):
-            with open(os.path.join(shm_dir, sc.instance, name), "r+b") as f:
-                f.seek(rf.READ_CURSOR_OFFSET)
-                f.write(bytes(8))
+        _rewind(shm_dir, sc.instance)
         d.start()
-        _settled(d)
-        c = d.client()
-        after = _fetch_all(c, sc, range(4))
-        for i in range(4):
-            _same(before[sc.request_id(i)], after[sc.request_id(i)])
-        st = d.status()
+        c, st = _same_again(d, sc, before)
         # The 4 BEGIN records met again; the data and ENDs of finished captures, as late records.
         assert st["reassembly"]["requests_started"] == 0 and st["reassembly"]["replayed_records"] == 4, \
             st["reassembly"]

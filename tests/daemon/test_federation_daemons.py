@@ -94,6 +94,29 @@ def two_host_engine(sc: Scenario, home_shm: str, peer_shm: str) -> SyntheticEngi
     return eng
 
 
+def _recorder(d: DaemonProcess, tmp_path, writer: str, n: int) -> tuple[subprocess.Popen, str, str]:
+    """`vllm-tap record` of daemon `d` for n captures, once its watch is taken: (the process, its
+    dataset's directory, its log)."""
+    dest, log_path = str(tmp_path / f"{writer}-ds"), str(tmp_path / f"{writer}-record.log")
+    rec = subprocess.Popen([sys.executable, "-m", "vllm_tap.cli", "record", dest, "--endpoint", d.endpoint,
+                            "--writer", writer, "--quiet", "--max-captures", str(n)],
+                           stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
+    wait_until(lambda: d.status()["watchers"] or rec.poll() is not None, 30, "the recorder's watch")
+    return rec, dest, log_path
+
+
+def _recorded(dest: str, columns: list[str]):
+    """A recorder's dataset, without gaps: (its rows' `columns`, their request ids, their positions)."""
+    import numpy as np
+
+    from vllm_tap.client.datasets import open_dataset
+
+    ds = open_dataset(dest)
+    assert not list(ds.gaps)
+    t = ds.to_pyarrow().to_table(columns=columns)
+    return t, np.array(t.column("request_id").to_pylist()), t.column("position").to_numpy()
+
+
 def peers_of(home: DaemonProcess) -> list[dict]:
     return home.status().get("federation", {}).get("peers", [])
 
@@ -260,7 +283,6 @@ def test_a_recorder_of_the_home_daemon_records_two_host_captures_whole(hosts, tm
     import pyarrow as pa
 
     from vllm_tap import dataset_format as df
-    from vllm_tap.client.datasets import open_dataset
 
     home, start_peer, peer_shm = hosts
     start_peer()
@@ -268,13 +290,8 @@ def test_a_recorder_of_the_home_daemon_records_two_host_captures_whole(hosts, tm
     sc = Scenario(n_requests=3, prompt_len=6, gen_len=4, tp=1, pp=2, layers=(0, 1), chunk=3, prefix="rec",
                   instance="recorded")
     eng = two_host_engine(sc, home.shm_dir, peer_shm)
-    dest = str(tmp_path / "ds")
-    log_path = str(tmp_path / "record.log")
-    rec = subprocess.Popen([sys.executable, "-m", "vllm_tap.cli", "record", dest, "--endpoint", home.endpoint,
-                            "--writer", "home-host", "--quiet", "--max-captures", str(sc.n_requests)],
-                           stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
+    rec, dest, log_path = _recorder(home, tmp_path, "home-host", sc.n_requests)
     try:
-        wait_until(lambda: home.status()["watchers"] or rec.poll() is not None, 30, "the recorder's watch")
         eng.run()
         assert eng.flush() and eng.dropped == 0
         assert rec.wait(120) == 0, open(log_path).read()[-2000:]
@@ -282,12 +299,8 @@ def test_a_recorder_of_the_home_daemon_records_two_host_captures_whole(hosts, tm
         eng.close()
         if rec.poll() is None:
             rec.kill()
-    ds = open_dataset(dest)
-    assert not list(ds.gaps)
-    t = ds.to_pyarrow().to_table(columns=["request_id", "position", "token_id", "logits", df.hook_name(0),
-                                          df.hook_name(1)])
-    rid = np.array(t.column("request_id").to_pylist())
-    pos = t.column("position").to_numpy()
+    t, rid, pos = _recorded(dest, ["request_id", "position", "token_id", "logits", df.hook_name(0),
+                                   df.hook_name(1)])
     for i in range(sc.n_requests):
         sel = np.nonzero(rid == sc.request_id(i))[0]
         part = t.take(pa.array(sel[np.argsort(pos[sel])]))
@@ -305,8 +318,6 @@ def test_a_peer_daemon_delivers_and_records_the_captures_its_own_ranks_suffice_f
     whole too, through fetch, watch and `vllm-tap record` on the peer host, as the home does."""
     import numpy as np
 
-    from vllm_tap.client.datasets import open_dataset
-
     home, start_peer, peer_shm = hosts
     peer = start_peer()
     wait_until(lambda: len(peers_of(home)) == 1, 15, "the peer daemon's session at the home")
@@ -314,13 +325,8 @@ def test_a_peer_daemon_delivers_and_records_the_captures_its_own_ranks_suffice_f
                   instance="local")
     assert plan(sc)[0] == [] and plan(sc)[PEER_RANK]  # only the peer host's rank writes
     eng = two_host_engine(sc, home.shm_dir, peer_shm)
-    dest = str(tmp_path / "peer-ds")
-    log_path = str(tmp_path / "record.log")
-    rec = subprocess.Popen([sys.executable, "-m", "vllm_tap.cli", "record", dest, "--endpoint", peer.endpoint,
-                            "--writer", "peer-host", "--quiet", "--max-captures", str(sc.n_requests)],
-                           stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
+    rec, dest, log_path = _recorder(peer, tmp_path, "peer-host", sc.n_requests)
     try:
-        wait_until(lambda: peer.status()["watchers"] or rec.poll() is not None, 30, "the recorder's watch")
         eng.run()
         assert eng.flush() and eng.dropped == 0
         for d in (peer, home):
@@ -344,11 +350,7 @@ def test_a_peer_daemon_delivers_and_records_the_captures_its_own_ranks_suffice_f
         eng.close()
         if rec.poll() is None:
             rec.kill()
-    ds = open_dataset(dest)
-    assert not list(ds.gaps)
-    t = ds.to_pyarrow().to_table(columns=["request_id", "position", "logits"])
-    rid = np.array(t.column("request_id").to_pylist())
-    pos = t.column("position").to_numpy()
+    t, rid, pos = _recorded(dest, ["request_id", "position", "logits"])
     for i in range(sc.n_requests):
         sel = np.nonzero(rid == sc.request_id(i))[0]
         order = sel[np.argsort(pos[sel])]
