@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable
 
+from vllm_tap import federation_format as ff
 from vllm_tap import ring_format as rf
 from vllm_tap.ring_records import ControlRecord, DataRecord, Record
 
@@ -23,7 +24,6 @@ from .store import Store
 log = logging.getLogger(__name__)
 
 Deliver = Callable[[list[Event], float], None]
-_TO_PEERS = frozenset({rf.RecordKind.BEGIN, rf.RecordKind.END, rf.RecordKind.LIVE})
 
 
 class Instances:
@@ -76,7 +76,7 @@ class Instances:
             return
         if kind == rf.RecordKind.END and self.on_end_read is not None:
             self.on_end_read(instance, record)  # type: ignore[arg-type]
-        if self.on_control is not None and kind in _TO_PEERS and record.ring == ENGINE_SOURCE:
+        if self.on_control is not None and kind in ff.CONTROL_KINDS and record.ring == ENGINE_SOURCE:
             self.on_control(instance, record)  # type: ignore[arg-type]
 
     def rejected(self, instance: str, request_ids: tuple[str, ...], why: str, now: float) -> None:

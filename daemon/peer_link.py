@@ -29,7 +29,6 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from vllm_tap import federation_format as ff
 from vllm_tap import placement as placement_format
-from vllm_tap import ring_format as rf
 from vllm_tap import ring_schema
 
 from .curve import CurveError, _check_private, load_secret
@@ -45,8 +44,6 @@ RECV_BUDGET = 256  # messages handled per round
 SNDHWM = 100_000  # messages; what is in flight is bounded by the credit in bytes
 LOG_FIRST = 20
 HOME_GONE = "home daemon gone"  # a peer's captures in flight when its session with the home ended
-MAX_CONTROLS = 4096  # control records in one Controls message (federation_format.MAX_RECORDS_PER_BATCH)
-_CONTROL_KINDS = frozenset({rf.RecordKind.BEGIN, rf.RecordKind.END, rf.RecordKind.LIVE})
 
 
 def load_public(path: str) -> bytes:
@@ -67,7 +64,7 @@ class PeerLink:
         self.home = home
         self._instances = instances  # the peer daemon's own reassembly (daemon/instances.py), or None
         self._caches: dict[tuple[str, str], ring_schema.TableCache] = {}
-        self._controlled: set[str] = set()  # instances the home sent control records of, this session
+        self._controlled: set[str] = set()  # instances the home sent control records of in the current link
         self._streaming = False
         self.controls_in = 0
         self.rejected = 0
@@ -149,7 +146,7 @@ class PeerLink:
                 log.error("home daemon %s: a control record that does not fit the ring schema (%s)", self.home, e.why)
                 continue
             for rec in recs:
-                if rec.kind not in _CONTROL_KINDS:
+                if rec.kind not in ff.CONTROL_KINDS:
                     self.rejected += 1
                     continue
                 self.controls_in += 1
@@ -360,8 +357,8 @@ class HomeLink:
         if self._controls:
             pending, self._controls = self._controls, {}
             for instance, recs in pending.items():
-                for i in range(0, len(recs), MAX_CONTROLS):
-                    self._apply(self.proto.controls(instance, recs[i : i + MAX_CONTROLS]), now)
+                for i in range(0, len(recs), ff.MAX_RECORDS_PER_BATCH):
+                    self._apply(self.proto.controls(instance, recs[i : i + ff.MAX_RECORDS_PER_BATCH]), now)
         if now >= self._beat_at:
             self._beat_at = now + ff.BEAT_INTERVAL_S
             self._apply(self.proto.tick(now), now)

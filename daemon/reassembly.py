@@ -175,22 +175,22 @@ class Reassembler:
         """Where the records whose data is held here (a step waiting for its other records, the newest
         position waiting for the END) start: into `out`, (ring, epoch) -> the lowest cursor at or
         above that ring's floor (its cursor as the file has it; holds below it are given up)."""
+        def take(origin: Iterable[tuple[tuple[str, int], int]]) -> None:
+            for key, c in origin:
+                if c < out.get(key, 1 << 62) and c >= floors.get(key, 1 << 62):
+                    out[key] = c
+
         last = None
         for a in self._requests.values():
             if not a.nbytes:
                 continue
             for item in a.ready:
                 origin = item[3].origin
-                if origin is last:
-                    continue  # the same record's (a decode step holds each capture's newest position)
-                last = origin
-                for key, c in origin:
-                    if c < out.get(key, 1 << 62) and c >= floors.get(key, 1 << 62):
-                        out[key] = c
+                if origin is not last:  # else the same record's (a decode step holds each capture's newest)
+                    last = origin
+                    take(origin)
             for g in a.groups.values():
-                for key, c in g.cursors.items():
-                    if c < out.get(key, 1 << 62) and c >= floors.get(key, 1 << 62):
-                        out[key] = c
+                take(g.cursors.items())
 
     def finished_before(self, request_id: str, origin: tuple[str, int, int] | None) -> None:
         """A capture an earlier daemon run finished (adopted from its journal; `origin`: its BEGIN

@@ -29,9 +29,12 @@ from typing import Union
 
 import msgspec
 
+from vllm_tap.ring_format import RecordKind
+
 FEDERATION_VERSION = 2
 MAX_HEADER_BYTES = 64 << 10  # frame 0
-MAX_RECORDS_PER_BATCH = 4096
+MAX_RECORDS_PER_BATCH = 4096  # record frames of one RecordBatch or Controls
+CONTROL_KINDS = frozenset({RecordKind.BEGIN, RecordKind.END, RecordKind.LIVE})  # what Controls carry
 MAX_RECORD_BYTES = 1 << 40  # one record (a ring's largest); larger than the credit window, it goes alone
 MAX_NAME = 256  # host, instance and ring names
 MAX_PLACEMENT_BYTES = 4096  # the ring header's placement, as the peer's ring holds it (vllm_tap.placement)

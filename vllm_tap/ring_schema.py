@@ -555,7 +555,8 @@ def one_row_each(n: int) -> list[tuple[int, Any]]:
     return g
 
 
-# -- building records in memory (tests, tools): the same decoder, so the same checks --
+# -- building records in memory (tests, tools; a home daemon's control records for its peers): the same
+# decoder, so the same checks --
 
 
 def control_bytes(meta: ControlMeta, request_id: str, *, tap_key: str = "", rank: int = rf.ENGINE_RANK,
